@@ -21,6 +21,44 @@ def _cmd_distill(args: argparse.Namespace) -> None:
     print(f"distillation data ready in {out}")
 
 
+def _cmd_train(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from hf_d3d.checks import check_pair
+    from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+    from hf_d3d.prompts import load_prompts
+    from hf_d3d.targets import load_target
+    from hf_d3d.train.distill import chat_prompt_ids, load_records
+    from hf_d3d.train.trainer import TrainConfig, epochs_to_steps, train
+
+    records = load_records(args.data)
+    target, tokenizer = load_target(args.target)
+    resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
+    if args.init_from:
+        drafter = D3DDrafterModel.from_pretrained(args.init_from)
+    else:
+        layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
+        drafter = D3DDrafterModel.from_target(
+            target, num_hidden_layers=args.layers, block_size=args.block_size, layer_ids=layer_ids, tokenizer=tokenizer
+        )
+    check_pair(target, drafter, tokenizer)
+    steps = args.steps or epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum)
+    cfg = TrainConfig(
+        max_steps=steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        warmup_steps=args.warmup_steps, num_blocks=args.num_blocks, ar_weight=args.ar_weight,
+        slot_decay=args.slot_decay, freeze_embeddings=not args.train_embeddings, mixed_precision=args.mixed_precision,
+        eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+    )
+    eval_ids = None
+    if args.eval_prompts and args.num_eval_prompts > 0:
+        eval_ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.eval_prompts, args.field, args.num_eval_prompts)]
+    print(f"training {drafter.config.num_hidden_layers}-layer drafter (block {drafter.config.block_size}) for {steps} steps"
+          + (" (resuming)" if resuming else ""))
+    final = train(drafter, records, args.out, cfg, target=target, eval_prompts=eval_ids,
+                  eval_max_new_tokens=args.eval_max_new_tokens)
+    print(f"trained drafter saved to {final}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-d3d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,6 +75,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_distill)
+
+    p = sub.add_parser("train", help="train a D3D drafter on distillation data (resumable; works under accelerate launch)")
+    p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", required=True, help="a finished `hf-d3d distill` folder")
+    p.add_argument("--out", required=True)
+    p.add_argument("--init-from", default=None, help="start from this drafter instead of copying target layers")
+    p.add_argument("--layers", type=int, default=4, help="drafter depth when copying target layers")
+    p.add_argument("--layer-ids", default=None, help="comma-separated target layers to copy (overrides --layers)")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--num-blocks", type=int, default=4, help="mask blocks per sequence per step")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--ar-weight", type=float, default=0.5)
+    p.add_argument("--slot-decay", type=float, default=0.8)
+    p.add_argument("--train-embeddings", action="store_true", help="also train embeddings / LM head (frozen by default)")
+    p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    p.add_argument("--eval-prompts", default="gsm8k:test")
+    p.add_argument("--field", default="question")
+    p.add_argument("--num-eval-prompts", type=int, default=8)
+    p.add_argument("--eval-max-new-tokens", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train)
     return parser
 
 

@@ -169,6 +169,12 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         self.model = D3DBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        # Both Auto classes resolve to the drafter in a saved folder (save_pretrained copies these files there).
+        config.auto_map = {
+            "AutoConfig": "configuration_d3d.D3DConfig",
+            "AutoModel": "modeling_d3d.D3DDrafterModel",
+            "AutoModelForCausalLM": "modeling_d3d.D3DDrafterModel",
+        }
         if self.generation_config is not None:
             # transformers' assisted loop asks the assistant for `num_assistant_tokens` tokens per round.
             self.generation_config.num_assistant_tokens = config.block_size
@@ -197,7 +203,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """Run context tokens and draft blocks described by ``layout``; without one, a plain causal LM pass.
 
-        ``logits_to_keep``: an int keeps the last n positions (0 = all), a tensor of indices keeps those positions.
+        ``logits_to_keep``: an int keeps the last n positions (0 = all); an index tensor keeps those positions; a
+        boolean ``[batch, T]`` tensor keeps the marked positions, flattened to ``[N, vocab]`` (training).
         """
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if layout is None:
@@ -212,6 +219,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, past_key_values, layout.num_context)
         if isinstance(logits_to_keep, int):
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        elif logits_to_keep.dtype == torch.bool:
+            hidden = hidden[logits_to_keep]
         else:
             hidden = hidden[:, logits_to_keep]
         return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=past_key_values)
@@ -326,5 +335,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
+
+# save_pretrained copies these files next to the weights and writes `auto_map`, so a Hub repo of the drafter loads
+# with `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` and no hf_d3d installed.
+D3DConfig.register_for_auto_class()
+D3DDrafterModel.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["D3DDrafterModel", "D3DConfig", "tokenizer_fingerprint"]

@@ -1,0 +1,101 @@
+"""The D3D training objective: blockwise denoising with slot-decayed weights plus an auxiliary next-token loss.
+
+A batch holds whole sequences (prompt + response) as clean context followed by mask blocks anchored at random
+response positions, all in one forward with the D3D attention pattern. Loss is taken on response tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hf_d3d.modeling.attention_d3d import D3DLayout, pack_blocks
+
+IGNORE = -100
+
+
+@dataclass
+class D3DBatch:
+    input_ids: torch.LongTensor  # [b, T]: padded context, then blocks
+    layout: D3DLayout
+    labels: torch.LongTensor  # [b, T]: the token each position must predict, IGNORE where no loss
+    slot_index: torch.LongTensor  # [b, T]: slot number j inside its block, -1 for context tokens
+
+
+def make_batch(
+    records: list[dict],
+    block_size: int,
+    num_blocks: int,
+    pad_id: int,
+    fill_id: int,
+    generator: torch.Generator,
+    max_ar_positions: int | None = None,
+) -> D3DBatch:
+    """Build one training batch from distillation records (``prompt_ids`` + ``response_ids`` each)."""
+    seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
+    width = max(len(s) for s in seqs)
+    all_ids, all_labels, layouts, all_slots = [], [], [], []
+    for rec, seq in zip(records, seqs):
+        n_prompt, n = len(rec["prompt_ids"]), len(seq)
+        if len(rec["response_ids"]) == 0:
+            raise ValueError(f"record {rec.get('idx', '?')} has an empty response; nothing to learn from it")
+        ctx = torch.full((1, width), pad_id, dtype=torch.long)
+        ctx[0, :n] = torch.tensor(seq)
+        # Anchors: after the last prompt token up to before the last token, so each block predicts >= 1 response token.
+        choices = torch.arange(n_prompt - 1, n - 1)
+        pick = torch.randint(len(choices), (num_blocks,), generator=generator)
+        anchors = choices[pick].tolist()
+        ids, layout = pack_blocks(ctx, 0, anchors, block_size, fill_id)
+
+        seq_t = torch.tensor(seq)
+        labels = torch.full((ids.shape[1],), IGNORE, dtype=torch.long)
+        # Auxiliary AR loss: context position i predicts token i + 1, on response tokens only.
+        ar_pos = torch.arange(n_prompt - 1, n - 1)
+        if max_ar_positions is not None and len(ar_pos) > max_ar_positions:
+            ar_pos = ar_pos[torch.randperm(len(ar_pos), generator=generator)[:max_ar_positions]]
+        labels[ar_pos] = seq_t[ar_pos + 1]
+        slot_index = torch.full((ids.shape[1],), -1, dtype=torch.long)
+        for b, anchor in enumerate(anchors):
+            start = width + b * block_size
+            for j in range(block_size):
+                target_pos = anchor + 1 + j
+                slot_index[start + j] = j
+                if target_pos < n:  # slots past the end of the sequence carry no loss
+                    labels[start + j] = seq[target_pos]
+        all_ids.append(ids)
+        all_labels.append(labels)
+        layouts.append(layout)
+        all_slots.append(slot_index)
+    layout = D3DLayout(
+        position_ids=torch.cat([lay.position_ids for lay in layouts]),
+        block_ids=torch.cat([lay.block_ids for lay in layouts]),
+        is_slot=torch.cat([lay.is_slot for lay in layouts]),
+        anchors=torch.cat([lay.anchors for lay in layouts]),
+        past_length=0,
+        num_context=width,
+    )
+    return D3DBatch(torch.cat(all_ids), layout, torch.stack(all_labels), torch.stack(all_slots))
+
+
+def d3d_loss(
+    drafter: torch.nn.Module, batch: D3DBatch, ar_weight: float = 0.5, slot_decay: float = 0.8
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Total loss = slot-weighted denoising CE + ``ar_weight`` * next-token CE. Logits only where there is a label."""
+    has_label = batch.labels != IGNORE
+    # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
+    logits = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has_label).logits.float()
+    labels, is_slot, slot_index = batch.labels[has_label], batch.layout.is_slot[has_label], batch.slot_index[has_label]
+
+    slot_logits = logits[is_slot]
+    slot_ce = F.cross_entropy(slot_logits, labels[is_slot], reduction="none")
+    # Early slots decide how many tokens are accepted, so they weigh more.
+    weights = slot_decay ** slot_index[is_slot].float()
+    denoise = (slot_ce * weights).sum() / weights.sum().clamp_min(1e-6)
+    ar = F.cross_entropy(logits[~is_slot], labels[~is_slot]) if (~is_slot).any() else logits.sum() * 0
+    total = denoise + ar_weight * ar
+    with torch.no_grad():
+        slot0 = slot_index[is_slot] == 0
+        acc0 = (slot_logits[slot0].argmax(-1) == labels[is_slot][slot0]).float().mean() if slot0.any() else 0
+    return total, {"loss": float(total), "denoise": float(denoise), "ar": float(ar), "slot0_acc": float(acc0)}

@@ -1,0 +1,210 @@
+"""Train a D3D drafter on distillation records with accelerate (one CPU/GPU, or `accelerate launch` on many).
+
+Checkpoints are folders written beside their final name and renamed into place: ``checkpoint/`` holds the drafter
+(``save_pretrained``), ``optimizer.safetensors`` and ``trainer_state.json``; no pickle anywhere, so resuming never
+unpickles a file. The data order and the block anchors depend only on (seed, step), so a resumed run draws exactly
+the batches the interrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+
+from hf_d3d.evaluate import measure_tau
+from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.train.distill import write_json_atomic
+from hf_d3d.train.objective import d3d_loss, make_batch
+
+CHECKPOINT = "checkpoint"
+FINAL = "final"
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    num_blocks: int = 4
+    ar_weight: float = 0.5
+    slot_decay: float = 0.8
+    max_ar_positions: int | None = 64
+    freeze_embeddings: bool = True
+    mixed_precision: str = "no"
+    eval_every: int = 200
+    save_every: int = 100
+    seed: int = 0
+
+
+def validate_records(records: list[dict], vocab_size: int, max_positions: int, block_size: int) -> None:
+    """Refuse data the drafter cannot learn from, before any step runs."""
+    if not records:
+        raise ValueError("no training records")
+    for r in records:
+        for key in ("prompt_ids", "response_ids"):
+            if key not in r:
+                raise KeyError(f"record {r.get('idx', '?')} lacks {key!r}")
+        if not r["response_ids"]:
+            raise ValueError(f"record {r.get('idx', '?')} has an empty response")
+        ids = r["prompt_ids"] + r["response_ids"]
+        if len(ids) + block_size > max_positions:
+            raise ValueError(
+                f"record {r.get('idx', '?')} is {len(ids)} tokens; with a block of {block_size} it exceeds the "
+                f"drafter's context of {max_positions} positions"
+            )
+        if max(ids) >= vocab_size or min(ids) < 0:
+            raise ValueError(f"record {r.get('idx', '?')} has token ids outside the drafter vocabulary ({vocab_size})")
+
+
+def _save_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> dict:
+    tensors, scalars = {}, {}
+    for i, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{i}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{i}.{key}"] = value
+    save_file(tensors, str(path))
+    return {"scalars": scalars, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, path: Path, meta: dict) -> None:
+    tensors = load_file(str(path))
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        i, key = name.split(".", 1)
+        state.setdefault(int(i), {})[key] = value
+    for name, value in meta["scalars"].items():
+        i, key = name.split(".", 1)
+        state.setdefault(int(i), {})[key] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def save_checkpoint(out_dir: Path, drafter: PreTrainedModel, optimizer, step: int, config: TrainConfig, log: list) -> None:
+    """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in."""
+    tmp = out_dir / f".{CHECKPOINT}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    drafter.save_pretrained(tmp)
+    optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
+    write_json_atomic(tmp / "trainer_state.json", {"step": step, "config": asdict(config), "optimizer": optimizer_meta, "log": log})
+    final = out_dir / CHECKPOINT
+    old = out_dir / f".{CHECKPOINT}.old"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def train(
+    drafter: D3DDrafterModel,
+    records: list[dict],
+    out_dir: str | Path,
+    config: TrainConfig,
+    target: PreTrainedModel | None = None,
+    eval_prompts: list[list[int]] | None = None,
+    eval_max_new_tokens: int = 64,
+) -> Path:
+    """Train ``drafter`` on ``records``; resumes from ``out_dir/checkpoint`` if present. Returns ``out_dir/final``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
+    dcfg = drafter.config
+    validate_records(records, dcfg.vocab_size, dcfg.max_position_embeddings, dcfg.block_size)
+
+    step, log = 0, []
+    ckpt = out / CHECKPOINT
+    if (ckpt / "trainer_state.json").is_file():
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        drafter = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype)
+        step, log = state["step"], state["log"]
+    if config.freeze_embeddings:
+        drafter.get_input_embeddings().weight.requires_grad_(False)
+        drafter.get_output_embeddings().weight.requires_grad_(False)
+    drafter.train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    if step:
+        _load_optimizer(optimizer, ckpt / "optimizer.safetensors", state["optimizer"])
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps)
+    for _ in range(step):
+        scheduler.step()
+    model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+
+    pad_id = dcfg.pad_token_id if dcfg.pad_token_id is not None else 0
+    fill_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else 0
+    per_step = config.batch_size * accelerator.num_processes
+    steps_per_epoch = max(1, len(records) // per_step)
+
+    def batch_for(step_idx: int, micro: int):
+        epoch, offset = divmod(step_idx * config.grad_accum + micro, steps_per_epoch)
+        order = torch.randperm(len(records), generator=torch.Generator().manual_seed(config.seed + epoch))
+        start = offset * per_step + accelerator.process_index * config.batch_size
+        chosen = [records[int(i)] for i in order[start : start + config.batch_size]]
+        gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
+        return make_batch(chosen, dcfg.block_size, config.num_blocks, pad_id, fill_id, gen, config.max_ar_positions)
+
+    bar = tqdm(total=config.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+    while step < config.max_steps:
+        metrics = {}
+        for micro in range(config.grad_accum):
+            batch = batch_for(step, micro)
+            batch.input_ids = batch.input_ids.to(accelerator.device)
+            batch.labels = batch.labels.to(accelerator.device)
+            batch.slot_index = batch.slot_index.to(accelerator.device)
+            for name in ("position_ids", "block_ids", "is_slot", "anchors"):
+                setattr(batch.layout, name, getattr(batch.layout, name).to(accelerator.device))
+            with accelerator.accumulate(model):
+                loss, metrics = d3d_loss(model, batch, config.ar_weight, config.slot_decay)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        step += 1
+        metrics["step"], metrics["lr"] = step, scheduler.get_last_lr()[0]
+        bar.update(1)
+        bar.set_postfix({k: round(v, 3) for k, v in metrics.items() if k in ("loss", "denoise", "ar", "slot0_acc")})
+        if accelerator.is_main_process and target is not None and eval_prompts and (
+            step % config.eval_every == 0 or step == config.max_steps
+        ):
+            unwrapped = accelerator.unwrap_model(model)
+            unwrapped.eval()
+            metrics["eval_tau"] = measure_tau(target, unwrapped, eval_prompts, eval_max_new_tokens)["tau"]
+            unwrapped.train()
+            tqdm.write(f"step {step}: eval tau {metrics['eval_tau']:.3f}")
+        log.append(metrics)
+        if accelerator.is_main_process and (step % config.save_every == 0 or step == config.max_steps):
+            save_checkpoint(out, accelerator.unwrap_model(model), optimizer, step, config, log)
+        accelerator.wait_for_everyone()
+    bar.close()
+    final = out / FINAL
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model).eval()
+        tmp = out / f".{FINAL}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        unwrapped.save_pretrained(tmp)
+        write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    return final
+
+
+def epochs_to_steps(num_records: int, epochs: float, batch_size: int, grad_accum: int) -> int:
+    return max(1, math.ceil(num_records * epochs / (batch_size * grad_accum)))
