@@ -61,7 +61,8 @@ class D3DCandidateGenerator(CandidateGenerator):
     ):
         self.drafter = drafter
         self.block_size = block_size or drafter.config.block_size
-        self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
+        # transformers hands the assistant a plain list of processors; the wrapper makes it callable
+        self.logits_processor = LogitsProcessorList(logits_processor or [])
         self.do_sample = do_sample
         self.cache = DynamicCache()
         self.stats = D3DStats()
@@ -78,6 +79,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.cache.crop(tokens_to_remove)
 
     # -- drafting -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def get_candidates(
         self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **kwargs
     ) -> tuple[torch.LongTensor, torch.FloatTensor]:

@@ -225,6 +225,20 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             hidden = hidden[:, logits_to_keep]
         return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=past_key_values)
 
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Load safetensors weights only, and refuse a checkpoint whose tensors do not match the config."""
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("D3D drafters load safetensors weights only")
+        kwargs["use_safetensors"] = True
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:
+            # A partly random drafter would still be lossless but silently slow: say so instead.
+            raise ValueError(f"drafter checkpoint does not match its config: {bad}")
+        return (model, info) if want_info else model
+
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, **kwargs):
         """As an ``assistant_model``, answer with one D3D draft block; otherwise behave as a plain causal LM."""

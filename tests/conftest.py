@@ -1,0 +1,72 @@
+"""Tiny random targets and drafters shared by the fast suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from hf_d3d import D3DDrafterModel
+from hf_d3d.modeling import generation_d3d
+
+torch.set_num_threads(1)
+
+VOCAB = 96
+EOS = 3
+
+
+def tiny_target(family: str = "llama", vocab: int = VOCAB, seed: int = 0, layers: int = 3):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+    )
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=12, tie_word_embeddings=False))
+    # Sharper logits than the default init, so greedy continuations vary instead of repeating one token.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def target(request):
+    return tiny_target(request.param)
+
+
+class OracleGenerator(generation_d3d.D3DCandidateGenerator):
+    """Drafts the target's own greedy tokens (full acceptance), corrupting each slot with probability ``noise``."""
+
+    target = None
+    noise = 0.0
+
+    def _draft_logits(self, input_ids):
+        super()._draft_logits(input_ids)  # keep the drafter's cache bookkeeping exercised
+        seq = input_ids
+        logits = []
+        for _ in range(self.block_size):
+            step = self.target(seq).logits[:, -1:].float()
+            logits.append(step)
+            seq = torch.cat([seq, step.argmax(-1)], dim=1)
+        logits = torch.cat(logits, dim=1)
+        if self.noise:
+            flip = torch.rand(logits.shape[:2]) < self.noise
+            logits[flip] = torch.randn_like(logits[flip]) * 50
+        return logits
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Patch the candidate generator so drafters become oracles of ``target`` (set ``.target`` / ``.noise``)."""
+    monkeypatch.setattr(generation_d3d, "D3DCandidateGenerator", OracleGenerator)
+    yield OracleGenerator
+    OracleGenerator.target, OracleGenerator.noise = None, 0.0
+
+
+def make_drafter(target, block_size: int = 4, layers: int = 2, **kw) -> D3DDrafterModel:
+    torch.manual_seed(1)
+    return D3DDrafterModel.from_target(target, num_hidden_layers=layers, block_size=block_size, **kw)

@@ -1,0 +1,77 @@
+"""The D3D attention pattern: explicit rules, and block predictions independent of how the pass is packed."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_drafter, tiny_target
+from transformers import DynamicCache
+
+from hf_d3d.modeling.attention_d3d import pack_blocks
+
+
+def test_mask_rules_on_a_small_layout():
+    # 2 cached + 2 new context tokens (positions 0..3), block A anchored at 1 (2 slots), block B anchored at 3
+    # with one private clean token (position 4) then 2 slots (positions 5, 6).
+    ids, layout = pack_blocks(torch.tensor([[10, 11]]), 2, [1, 3], 2, 0, prefixes=[[], [42]])
+    assert layout.position_ids[0].tolist() == [2, 3, 2, 3, 4, 5, 6]
+    m = layout.attention_mask()[0, 0].int().tolist()
+    # keys: past 0, past 1 | ctx 2, ctx 3 | A0, A1 | B-clean, B0, B1
+    assert m == [
+        [1, 1, 1, 0, 0, 0, 0, 0, 0],  # ctx pos 2: causal over context
+        [1, 1, 1, 1, 0, 0, 0, 0, 0],  # ctx pos 3
+        [1, 1, 0, 0, 1, 1, 0, 0, 0],  # A slot: context <= 1, own block both ways
+        [1, 1, 0, 0, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 1, 0, 0],  # B clean token: context <= 3, itself, not its slots
+        [1, 1, 1, 1, 0, 0, 1, 1, 1],  # B slots: context <= 3, clean token, both slots
+        [1, 1, 1, 1, 0, 0, 1, 1, 1],
+    ]
+    assert ids[0].tolist() == [10, 11, 0, 0, 42, 0, 0]
+
+
+def _block_logits(drafter, context, anchor, block, prefix=()):
+    """Block anchored at ``anchor`` run alone: context[:anchor+1] then the block, in one pass without cache."""
+    ids, layout = pack_blocks(context[:, : anchor + 1], 0, [anchor], block, 0, prefixes=[list(prefix)])
+    out = drafter(ids, layout=layout, use_cache=False).logits
+    return out[:, anchor + 1 + len(prefix) :]
+
+
+def test_block_predictions_alone_incremental_and_packed():
+    target = tiny_target("qwen3")
+    drafter = make_drafter(target, block_size=4, mask_token_id=None)
+    torch.manual_seed(0)
+    context = torch.randint(4, 96, (1, 20))
+    block = drafter.config.block_size
+    anchors, prefixes = [5, 12, 19, 12], [[], [], [], [77]]
+    alone = [_block_logits(drafter, context, a, block, p) for a, p in zip(anchors, prefixes)]
+
+    # incremental: context enters the cache in three chunks, then the block anchored at the last token
+    cache = DynamicCache()
+    for lo, hi in [(0, 7), (7, 15)]:
+        ids, layout = pack_blocks(context[:, lo:hi], lo, [], block, 0)
+        drafter(ids, layout=layout, past_key_values=cache)
+    ids, layout = pack_blocks(context[:, 15:], 15, [19], block, 0)
+    inc = drafter(ids, layout=layout, past_key_values=cache).logits[:, -block:]
+    assert cache.get_seq_length() == 20  # block slots never enter the cache
+    torch.testing.assert_close(inc, alone[2], rtol=1e-4, atol=1e-4)
+
+    # packed: the whole context plus all four blocks (one with a private clean token) in one forward
+    ids, layout = pack_blocks(context, 0, anchors, block, 0, prefixes=prefixes)
+    packed = drafter(ids, layout=layout, use_cache=False).logits[:, 20:]
+    offset = 0
+    for a, p, ref in zip(anchors, prefixes, alone):
+        width = len(p) + block
+        torch.testing.assert_close(packed[:, offset + len(p) : offset + width], ref, rtol=1e-4, atol=1e-4)
+        offset += width
+
+    # the private token hypothesis equals a sync draft after committing that token
+    committed = torch.cat([context[:, :13], torch.tensor([[77]])], dim=1)
+    ref = _block_logits(drafter, committed, 13, block)
+    torch.testing.assert_close(alone[3], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_context_logits_match_plain_causal_forward():
+    """With no blocks the drafter is an ordinary causal LM, and a full copy of the target reproduces it."""
+    target = tiny_target("llama")
+    full = make_drafter(target, layers=target.config.num_hidden_layers)
+    x = torch.randint(4, 96, (1, 15))
+    torch.testing.assert_close(full(x).logits, target(x).logits, rtol=1e-4, atol=1e-4)
