@@ -14,8 +14,11 @@ def _cmd_distill(args: argparse.Namespace) -> None:
     prompts = load_prompts(args.prompts, args.field, args.num_prompts)
     target, tokenizer = load_target(args.target)
     cfg = DistillConfig(
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, do_sample=args.do_sample,
-        temperature=args.temperature, seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        seed=args.seed,
     )
     out = distill(target, tokenizer, prompts, args.out, cfg, source=args.prompts)
     print(f"distillation data ready in {out}")
@@ -44,18 +47,36 @@ def _cmd_train(args: argparse.Namespace) -> None:
     check_pair(target, drafter, tokenizer)
     steps = args.steps or epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum)
     cfg = TrainConfig(
-        max_steps=steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
-        warmup_steps=args.warmup_steps, num_blocks=args.num_blocks, ar_weight=args.ar_weight,
-        slot_decay=args.slot_decay, freeze_embeddings=not args.train_embeddings, mixed_precision=args.mixed_precision,
-        eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+        max_steps=steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        num_blocks=args.num_blocks,
+        ar_weight=args.ar_weight,
+        slot_decay=args.slot_decay,
+        freeze_embeddings=not args.train_embeddings,
+        mixed_precision=args.mixed_precision,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        seed=args.seed,
     )
     eval_ids = None
     if args.eval_prompts and args.num_eval_prompts > 0:
-        eval_ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.eval_prompts, args.field, args.num_eval_prompts)]
-    print(f"training {drafter.config.num_hidden_layers}-layer drafter (block {drafter.config.block_size}) for {steps} steps"
-          + (" (resuming)" if resuming else ""))
-    final = train(drafter, records, args.out, cfg, target=target, eval_prompts=eval_ids,
-                  eval_max_new_tokens=args.eval_max_new_tokens)
+        eval_ids = [
+            chat_prompt_ids(tokenizer, p) for p in load_prompts(args.eval_prompts, args.field, args.num_eval_prompts)
+        ]
+    depth, block = drafter.config.num_hidden_layers, drafter.config.block_size
+    print(f"training {depth}-layer drafter (block {block}) for {steps} steps" + (" (resuming)" if resuming else ""))
+    final = train(
+        drafter,
+        records,
+        args.out,
+        cfg,
+        target=target,
+        eval_prompts=eval_ids,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+    )
     print(f"trained drafter saved to {final}")
 
 
@@ -76,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_distill)
 
-    p = sub.add_parser("train", help="train a D3D drafter on distillation data (resumable; works under accelerate launch)")
+    p = sub.add_parser(
+        "train", help="train a D3D drafter on distillation data (resumable; works under accelerate launch)"
+    )
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", required=True, help="a finished `hf-d3d distill` folder")
     p.add_argument("--out", required=True)
@@ -93,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--ar-weight", type=float, default=0.5)
     p.add_argument("--slot-decay", type=float, default=0.8)
-    p.add_argument("--train-embeddings", action="store_true", help="also train embeddings / LM head (frozen by default)")
+    p.add_argument(
+        "--train-embeddings", action="store_true", help="also train embeddings / LM head (frozen by default)"
+    )
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--eval-prompts", default="gsm8k:test")
     p.add_argument("--field", default="question")

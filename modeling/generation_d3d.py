@@ -85,7 +85,9 @@ class D3DCandidateGenerator(CandidateGenerator):
     ) -> tuple[torch.LongTensor, torch.FloatTensor]:
         """Return ``input_ids`` extended by up to ``block_size`` draft tokens, and the logits they were drawn from."""
         if input_ids.shape[0] != 1:
-            raise ValueError(f"D3D drafting supports batch size 1 (as transformers' assisted decoding); got {input_ids.shape[0]}")
+            raise ValueError(
+                f"D3D drafting supports batch size 1 (as transformers' assisted decoding); got {input_ids.shape[0]}"
+            )
         self._observe(input_ids)
         k = self.block_size if max_new_tokens is None else max(0, min(self.block_size, max_new_tokens))
         if k == 0:
@@ -118,7 +120,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slots)
         return out.logits.float()
 
-    def _choose(self, input_ids: torch.LongTensor, logits: torch.FloatTensor) -> tuple[torch.LongTensor, torch.FloatTensor]:
+    def _choose(
+        self, input_ids: torch.LongTensor, logits: torch.FloatTensor
+    ) -> tuple[torch.LongTensor, torch.FloatTensor]:
         """Pick draft tokens. Each slot's processed logits are returned: exactly the distribution it was drawn from."""
         if not self.do_sample and len(self.logits_processor) == 0:
             return logits.argmax(-1), logits

@@ -18,8 +18,16 @@ EOS = 3
 def tiny_target(family: str = "llama", vocab: int = VOCAB, seed: int = 0, layers: int = 3):
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
     )
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))

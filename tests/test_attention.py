@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from conftest import make_drafter, tiny_target
 from transformers import DynamicCache
 
+from conftest import make_drafter, tiny_target
 from hf_d3d.modeling.attention_d3d import pack_blocks
 
 
@@ -58,7 +58,7 @@ def test_block_predictions_alone_incremental_and_packed():
     ids, layout = pack_blocks(context, 0, anchors, block, 0, prefixes=prefixes)
     packed = drafter(ids, layout=layout, use_cache=False).logits[:, 20:]
     offset = 0
-    for a, p, ref in zip(anchors, prefixes, alone):
+    for p, ref in zip(prefixes, alone):
         width = len(p) + block
         torch.testing.assert_close(packed[:, offset + len(p) : offset + width], ref, rtol=1e-4, atol=1e-4)
         offset += width

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS, VOCAB, make_drafter, tiny_target
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import TextStreamer
 
+from conftest import EOS, VOCAB, make_drafter, tiny_target
 from hf_d3d.evaluate import count_forwards
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -40,7 +40,9 @@ def test_untrained_drafter_is_lossless(family, block, prompt, max_new, eos_on):
     assert torch.equal(ref, out)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(
     family=st.sampled_from(["llama", "qwen3"]),
     block=st.sampled_from([1, 2, 4, 8, 16]),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from conftest import make_drafter, tiny_target
 from transformers.generation import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -11,6 +10,7 @@ from transformers.generation import (
     TopKLogitsWarper,
 )
 
+from conftest import make_drafter, tiny_target
 from hf_d3d import D3DCandidateGenerator
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.modeling.attention_d3d import pack_blocks

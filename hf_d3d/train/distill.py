@@ -144,11 +144,13 @@ def distill(
             os.fsync(f.fileno())
             bar.update(len(batch))
             bar.set_postfix(empty=empty)
-    n, tokens = 0, 0
+    n, tokens, covered = 0, 0, set()
     with open(out / RECORDS, encoding="utf-8") as f:
         for line in f:
+            record = json.loads(line)
             n += 1
-            tokens += len(json.loads(line)["response_ids"])
+            tokens += len(record["response_ids"])
+            covered.add(record["idx"])
     write_json_atomic(
         out / META,
         {
@@ -157,7 +159,7 @@ def distill(
             "num_prompts": len(prompts),
             "num_records": n,
             "num_response_tokens": tokens,
-            "skipped_empty": len(prompts) - n,
+            "skipped_empty": sum(i not in covered for i in range(len(prompts))),
             **asdict(config),
         },
     )

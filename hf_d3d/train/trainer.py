@@ -92,14 +92,18 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, path: Path, meta: dict) ->
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save_checkpoint(out_dir: Path, drafter: PreTrainedModel, optimizer, step: int, config: TrainConfig, log: list) -> None:
+def save_checkpoint(
+    out_dir: Path, drafter: PreTrainedModel, optimizer, step: int, config: TrainConfig, log: list
+) -> None:
     """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in."""
     tmp = out_dir / f".{CHECKPOINT}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     drafter.save_pretrained(tmp)
     optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
-    write_json_atomic(tmp / "trainer_state.json", {"step": step, "config": asdict(config), "optimizer": optimizer_meta, "log": log})
+    write_json_atomic(
+        tmp / "trainer_state.json", {"step": step, "config": asdict(config), "optimizer": optimizer_meta, "log": log}
+    )
     final = out_dir / CHECKPOINT
     old = out_dir / f".{CHECKPOINT}.old"
     if final.exists():
@@ -179,8 +183,11 @@ def train(
         metrics["step"], metrics["lr"] = step, scheduler.get_last_lr()[0]
         bar.update(1)
         bar.set_postfix({k: round(v, 3) for k, v in metrics.items() if k in ("loss", "denoise", "ar", "slot0_acc")})
-        if accelerator.is_main_process and target is not None and eval_prompts and (
-            step % config.eval_every == 0 or step == config.max_steps
+        if (
+            accelerator.is_main_process
+            and target is not None
+            and eval_prompts
+            and (step % config.eval_every == 0 or step == config.max_steps)
         ):
             unwrapped = accelerator.unwrap_model(model)
             unwrapped.eval()

@@ -1,0 +1,80 @@
+"""Bad input gets a clear error before any decoding work starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_drafter, tiny_target
+from hf_d3d import D3DCandidateGenerator, D3DConfig, tokenizer_fingerprint
+from hf_d3d.checks import check_pair
+from hf_d3d.evaluate import count_forwards
+
+
+class FakeTokenizer:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_vocab_mismatch_is_refused():
+    target = tiny_target("llama")
+    other = make_drafter(tiny_target("llama", vocab=64))
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_pair(target, other)
+    x = torch.tensor([[4, 5, 6]])
+    with count_forwards(target) as calls, pytest.raises(ValueError, match="tokenizer"):
+        target.generate(x, attention_mask=torch.ones_like(x), assistant_model=other, max_new_tokens=5)
+    assert calls["n"] == 0
+
+
+def test_tokenizer_mismatch_is_refused():
+    target = tiny_target("llama")
+    mine = FakeTokenizer({f"t{i}": i for i in range(96)})
+    theirs = FakeTokenizer({f"u{i}": i for i in range(96)})
+    drafter = make_drafter(target, tokenizer=mine)
+    assert drafter.config.tokenizer_fingerprint == tokenizer_fingerprint(mine)
+    check_pair(target, drafter, mine)
+    with pytest.raises(ValueError, match="tokenizer"):
+        check_pair(target, drafter, theirs)
+
+
+def test_batch_above_one_is_refused_before_work():
+    target = tiny_target("qwen3")
+    drafter = make_drafter(target)
+    x = torch.tensor([[4, 5, 6], [7, 8, 9]])
+    with count_forwards(target) as calls, pytest.raises(ValueError, match="batch"):
+        target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, max_new_tokens=5)
+    assert calls["n"] == 0
+    with pytest.raises(ValueError, match="batch size 1"):
+        D3DCandidateGenerator(drafter).get_candidates(x)
+
+
+def test_padded_input_is_refused():
+    target = tiny_target("qwen3")
+    drafter = make_drafter(target)
+    x = torch.tensor([[0, 5, 6]])
+    with pytest.raises(ValueError, match="padded"):
+        target.generate(
+            x, attention_mask=torch.tensor([[0, 1, 1]]), assistant_model=drafter, max_new_tokens=5, pad_token_id=0
+        )
+
+
+@pytest.mark.parametrize("bad", [-1, 96, 10_000])
+def test_mask_token_out_of_range(bad):
+    with pytest.raises(ValueError, match="mask_token_id"):
+        D3DConfig(vocab_size=96, mask_token_id=bad)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        make_drafter(tiny_target("llama"), mask_token_id=bad)
+
+
+def test_bad_block_size_and_layers():
+    target = tiny_target("llama")
+    with pytest.raises(ValueError, match="block_size"):
+        make_drafter(target, block_size=0)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        make_drafter(target, layers=10)
+    with pytest.raises(ValueError, match="layer_ids"):
+        make_drafter(target, layer_ids=[0, 7])

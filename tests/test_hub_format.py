@@ -1,0 +1,101 @@
+"""Hub layout: save_pretrained -> AutoModel(trust_remote_code) offline gives the same drafter and the same tokens."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForCausalLM
+
+from conftest import make_drafter, tiny_target
+from hf_d3d import D3DDrafterModel
+
+REMOTE_FILES = {"configuration_d3d.py", "modeling_d3d.py", "attention_d3d.py", "generation_d3d.py"}
+
+
+@pytest.fixture
+def saved(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target = tiny_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    drafter.save_pretrained(tmp_path / "d3d")
+    return target, drafter, tmp_path / "d3d"
+
+
+def test_folder_layout_and_auto_map(saved):
+    _, _, folder = saved
+    files = {p.name for p in folder.iterdir()}
+    assert REMOTE_FILES | {"config.json", "model.safetensors", "generation_config.json"} <= files
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModel"] == auto_map["AutoModelForCausalLM"] == "modeling_d3d.D3DDrafterModel"
+
+
+def test_remote_code_imports_only_torch_and_transformers(saved):
+    _, _, folder = saved
+    for name in REMOTE_FILES:
+        tree = ast.parse((folder / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            assert roots <= {"torch", "transformers", "__future__", "dataclasses", "hashlib", "json"}, (name, roots)
+
+
+@pytest.mark.parametrize("auto_cls", [AutoModel, AutoModelForCausalLM])
+def test_round_trip_through_trust_remote_code(saved, auto_cls):
+    target, drafter, folder = saved
+    loaded = auto_cls.from_pretrained(folder, trust_remote_code=True)
+    assert type(loaded).__name__ == "D3DDrafterModel"
+    assert type(loaded).__module__.startswith("transformers_modules")  # the copied files, not hf_d3d
+    for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, eos_token_id=None)
+    ref = target.generate(x, **kw)
+    assert torch.equal(target.generate(x, assistant_model=loaded, **kw), ref)
+    assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
+
+
+def test_missing_tensor_is_refused(saved):
+    _, _, folder = saved
+    weights = load_file(folder / "model.safetensors")
+    dropped = next(k for k in weights if "layers.1.mlp" in k)
+    del weights[dropped]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match its config"):
+        D3DDrafterModel.from_pretrained(folder)
+
+
+def test_mismatched_tensor_is_refused(saved):
+    _, _, folder = saved
+    weights = load_file(folder / "model.safetensors")
+    key = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[key] = torch.zeros(weights[key].shape[0] + 1, weights[key].shape[1])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(Exception, match="(?i)size|shape|mismatch"):
+        D3DDrafterModel.from_pretrained(folder)
+
+
+def test_corrupt_weights_file_is_refused(saved):
+    _, _, folder = saved
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(SafetensorError, match="header"):
+        D3DDrafterModel.from_pretrained(folder)
+
+
+def test_pickle_weights_are_never_loaded(saved):
+    _, drafter, folder = saved
+    (folder / "model.safetensors").unlink()
+    torch.save(drafter.state_dict(), folder / "pytorch_model.bin")
+    with pytest.raises(OSError, match="safetensors"):
+        D3DDrafterModel.from_pretrained(folder)
+    with pytest.raises(ValueError, match="safetensors"):
+        D3DDrafterModel.from_pretrained(folder, use_safetensors=False)
