@@ -1,8 +1,9 @@
 """hf-d3d: lossless speculative decoding with a decoupled block-diffusion drafter (D3D)."""
 
+from hf_d3d.checks import check_pair, tokenizer_fingerprint
 from hf_d3d.modeling.configuration_d3d import D3DConfig
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, D3DStats
-from hf_d3d.modeling.modeling_d3d import D3DDrafterModel, tokenizer_fingerprint
+from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 
-__all__ = ["D3DConfig", "D3DDrafterModel", "D3DCandidateGenerator", "D3DStats", "tokenizer_fingerprint"]
+__all__ = ["D3DConfig", "D3DDrafterModel", "D3DCandidateGenerator", "D3DStats", "check_pair", "tokenizer_fingerprint"]
 __version__ = "0.1.0"

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_d3d.modeling.modeling_d3d import tokenizer_fingerprint
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of a tokenizer's vocabulary, so a drafter can tell whether a tokenizer is its target's."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def check_pair(

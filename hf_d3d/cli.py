@@ -27,7 +27,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
 def _cmd_train(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from hf_d3d.checks import check_pair
+    from hf_d3d.checks import check_pair, tokenizer_fingerprint
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
     from hf_d3d.prompts import load_prompts
     from hf_d3d.targets import load_target
@@ -42,7 +42,11 @@ def _cmd_train(args: argparse.Namespace) -> None:
     else:
         layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
         drafter = D3DDrafterModel.from_target(
-            target, num_hidden_layers=args.layers, block_size=args.block_size, layer_ids=layer_ids, tokenizer=tokenizer
+            target,
+            num_hidden_layers=args.layers,
+            block_size=args.block_size,
+            layer_ids=layer_ids,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         )
     check_pair(target, drafter, tokenizer)
     steps = args.steps or epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum)

@@ -7,6 +7,7 @@ committed tokens, its statistics) lives exactly as long as one ``target.generate
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -22,7 +23,9 @@ class D3DStats:
     """What one generation did. ``tau`` is committed tokens per target forward, bonus token included.
 
     Inside ``target.generate`` the outcome of the final round is never shown to the drafter, so the counts cover
-    the rounds whose outcome it saw; the fast loop and the benchmark count every round.
+    the rounds whose outcome it saw; the fast loop and the benchmark count every round. Async fields:
+    ``packed_passes`` launched, ``hits`` (next draft served from the packed pass), ``misses`` (sync draft needed).
+    ``critical_draft_seconds`` is host time spent drafting before the target could verify (sync drafts and joins).
     """
 
     rounds: int = 0
@@ -30,11 +33,19 @@ class D3DStats:
     accepted_tokens: int = 0
     committed_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
+    packed_passes: int = 0
+    hits: int = 0
+    misses: int = 0
+    critical_draft_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
         observed = len(self.acceptance_lengths)
         return self.committed_tokens / observed if observed else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
     def record(self, accepted: int, committed: int) -> None:
         self.acceptance_lengths.append(accepted)
@@ -42,11 +53,53 @@ class D3DStats:
         self.committed_tokens += committed
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "tau": self.tau}
+        return {**asdict(self), "tau": self.tau, "hit_rate": self.hit_rate}
+
+
+@dataclass
+class _Pending:
+    """A packed pass in flight: the draft it assumed, its hypotheses and their slot logits."""
+
+    committed_len: int  # L: committed tokens when the draft d_1..d_k was proposed
+    draft: list[int]
+    outcomes: list[tuple[int, int | None]]  # (accepted a, correction token g); g None: bonus guessed by slot 0
+    logits: torch.Tensor  # [num_hypotheses, block_size, vocab]
+    event: object = None  # CUDA event recorded on the side stream after the pass
+
+
+def choose_hypotheses(
+    probs: torch.Tensor, draft: list[int], budget: int, with_bonus: bool = True
+) -> list[tuple[int, int | None]]:
+    """The ``budget`` most likely verification outcomes (a accepted, correction g) under the draft's own confidence.
+
+    ``probs`` is ``[k, vocab]``: the drafter's distribution at each draft slot. Outcome (a, g) with a < k means
+    d_1..d_a accepted and g (not d_{a+1}) committed instead; (k, None) means all accepted and a bonus token whose
+    guess is the first slot of a block anchored after d_k.
+    """
+    k = len(draft)
+    p_draft = probs[torch.arange(k), torch.tensor(draft)].clamp(0.0, 1.0).tolist()
+    scored: list[tuple[float, tuple[int, int | None]]] = []
+    reach = 1.0  # probability that d_1..d_a are all accepted
+    for a in range(k):
+        alt = probs[a].clone()
+        alt[draft[a]] = 0.0
+        top = alt.topk(min(budget, alt.numel()))
+        for prob, tok in zip(top.values.tolist(), top.indices.tolist()):
+            scored.append((reach * prob, (a, tok)))  # P(d_1..d_a accepted) * P(target says g at slot a+1)
+        reach *= p_draft[a]
+    if with_bonus:
+        scored.append((reach * 0.5, (k, None)))
+    scored.sort(key=lambda x: -x[0])
+    return [outcome for _, outcome in scored[:budget]]
 
 
 class D3DCandidateGenerator(CandidateGenerator):
     """Proposes one block of ``block_size`` tokens per round from the drafter's own cache of committed tokens.
+
+    With ``async_drafting`` it also launches, right after proposing a draft, one packed pass that drafts the next
+    block for the likeliest verification outcomes; on CUDA it runs on a side stream while the target verifies.
+    When the outcome is among them (a hit) the next draft costs nothing on the critical path; otherwise (a miss)
+    a sync draft runs. Output is the same either way.
 
     It also answers the two cache calls that transformers' assisted loop makes on the assistant's
     ``past_key_values`` (``get_seq_length`` and ``crop``), which is how it rides along between rounds.
@@ -58,9 +111,12 @@ class D3DCandidateGenerator(CandidateGenerator):
         logits_processor: LogitsProcessorList | None = None,
         do_sample: bool = False,
         block_size: int | None = None,
+        async_drafting: bool | None = None,
+        num_hypotheses: int | None = None,
     ):
         self.drafter = drafter
-        self.block_size = block_size or drafter.config.block_size
+        config = drafter.config
+        self.block_size = block_size or config.block_size
         # transformers hands the assistant a plain list of processors; the wrapper makes it callable
         self.logits_processor = LogitsProcessorList(logits_processor or [])
         self.do_sample = do_sample
@@ -68,8 +124,17 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.stats = D3DStats()
         self._last_draft: torch.LongTensor | None = None  # [1, k] tokens proposed last round
         self._last_len = 0  # committed length when they were proposed
-        fill = drafter.config.mask_token_id
+        fill = config.mask_token_id
         self._fill_id = fill if fill is not None else 0  # slot embeddings are replaced, the id only fills the tensor
+        if async_drafting is None:
+            async_drafting = getattr(config, "async_drafting", None)
+        device = next(drafter.parameters()).device
+        if async_drafting is None:  # on by default only where the packed pass can hide behind verification
+            async_drafting = device.type == "cuda"
+        self.async_drafting = bool(async_drafting)
+        self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
+        self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
+        self._pending: _Pending | None = None
 
     # -- the cache protocol of transformers' AssistedCandidateGenerator -------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -88,15 +153,23 @@ class D3DCandidateGenerator(CandidateGenerator):
             raise ValueError(
                 f"D3D drafting supports batch size 1 (as transformers' assisted decoding); got {input_ids.shape[0]}"
             )
+        start = time.perf_counter()
         self._observe(input_ids)
         k = self.block_size if max_new_tokens is None else max(0, min(self.block_size, max_new_tokens))
+        logits = self._take_hypothesis(input_ids)
         if k == 0:
             return input_ids, input_ids.new_zeros((1, 0, self.drafter.config.vocab_size), dtype=torch.float)
-        logits = self._draft_logits(input_ids)[:, :k]
+        if logits is None or logits.shape[1] == 0:
+            logits = self._draft_logits(input_ids)
+        logits = logits[:, :k]
         draft, scores = self._choose(input_ids, logits)
+        k = draft.shape[1]
         self._last_draft, self._last_len = draft, input_ids.shape[1]
         self.stats.rounds += 1
         self.stats.drafted_tokens += k
+        self.stats.critical_draft_seconds += time.perf_counter() - start
+        if self.async_drafting:
+            self._launch_packed(input_ids, draft, logits)
         return torch.cat([input_ids, draft], dim=1), scores
 
     def _observe(self, input_ids: torch.LongTensor) -> None:
@@ -119,6 +192,66 @@ class D3DCandidateGenerator(CandidateGenerator):
         slots = torch.arange(layout.num_context, ids.shape[1], device=ids.device)
         out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slots)
         return out.logits.float()
+
+    # -- asynchronous packed drafting ------------------------------------------------------------------------------
+    def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:
+        """Draft the next block for the likeliest outcomes of verifying ``draft``, in one packed forward.
+
+        Context = uncached committed tokens + the draft itself (valid for every accepted prefix, since context
+        attention is causal); it enters the cache and is cropped to the accepted prefix once the outcome is known.
+        """
+        committed = input_ids.shape[1]
+        tokens = draft[0].tolist()
+        # the bonus block spends its first slot on guessing the bonus, so a block of one has no draft left after it
+        outcomes = choose_hypotheses(logits[0].softmax(-1), tokens, self.num_hypotheses, self.block_size > 1)
+        anchors = [committed - 1 + a for a, _ in outcomes]
+        prefixes = [[g] if g is not None else [] for _, g in outcomes]
+        past = self.cache.get_seq_length()
+        context = torch.cat([input_ids[:, past:], draft], dim=1)
+        ids, layout = pack_blocks(context, past, anchors, self.block_size, self._fill_id, prefixes)
+        slot_index = layout.is_slot[0].nonzero().squeeze(1)
+        main = torch.cuda.current_stream() if self._side_stream is not None else None
+        if self._side_stream is not None:
+            self._side_stream.wait_stream(main)  # the draft tokens come from the main stream
+            with torch.cuda.stream(self._side_stream):
+                out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slot_index).logits
+                event = torch.cuda.Event()
+                event.record(self._side_stream)
+        else:
+            out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slot_index).logits
+            event = None
+        self._pending = _Pending(committed, tokens, outcomes, out.view(len(outcomes), self.block_size, -1), event)
+        self.stats.packed_passes += 1
+
+    def _take_hypothesis(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Join the packed pass; on a hit return the next draft's slot logits ``[1, n, vocab]``, else ``None``."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        if pending.event is not None:
+            torch.cuda.current_stream().wait_event(pending.event)
+        new = input_ids[0, pending.committed_len :].tolist()
+        accepted = len(new) - 1
+        # The packed pass cached the whole draft; keep only what was committed (transformers may have cropped more).
+        keep = min(self.cache.get_seq_length(), pending.committed_len + max(accepted, 0))
+        self.cache.crop(-(self.cache.get_seq_length() - keep))
+        if accepted < 0 or new[:accepted] != pending.draft[:accepted]:
+            self.stats.misses += 1
+            return None
+        correction = new[-1]
+        for i, (a, g) in enumerate(pending.outcomes):
+            if a != accepted:
+                continue
+            block = pending.logits[i : i + 1].float()
+            if g == correction:
+                self.stats.hits += 1
+                return block
+            if g is None and int(block[0, 0].argmax()) == correction:
+                # bonus block: its first slot guessed the bonus token right; the rest is the next draft
+                self.stats.hits += 1
+                return block[:, 1:]
+        self.stats.misses += 1
+        return None
 
     def _choose(
         self, input_ids: torch.LongTensor, logits: torch.FloatTensor

@@ -257,13 +257,13 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         block_size: int = 8,
         layer_ids: list[int] | None = None,
         mask_token_id: int | None = None,
-        tokenizer=None,
+        tokenizer_fingerprint: str | None = None,
         **config_overrides,
     ) -> D3DDrafterModel:
         """Build a drafter whose embeddings, LM head, final norm and layers are copies of ``target``'s.
 
         ``layer_ids`` picks target layers to copy; by default ``num_hidden_layers`` layers spread evenly from the
-        first to the last. Passing ``tokenizer`` records its fingerprint so a mismatched pair is caught later.
+        first to the last. ``tokenizer_fingerprint`` (see ``hf_d3d.checks``) lets a mismatched pair be caught later.
         """
         tcfg = target.config.get_text_config()
         if tcfg.model_type not in _SUPPORTED_TARGETS:
@@ -300,7 +300,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             mask_token_id=mask_token_id,
             target_model_type=tcfg.model_type,
             target_layer_ids=list(layer_ids),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer) if tokenizer is not None else None,
+            tokenizer_fingerprint=tokenizer_fingerprint,
             **config_overrides,
         )
         drafter = cls(config).to(dtype=target.dtype)
@@ -341,18 +341,9 @@ def _causal_layout(input_ids: torch.LongTensor, past: int, position_ids: torch.L
     )
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A short hash of a tokenizer's vocabulary, so a drafter can tell whether a tokenizer is its target's."""
-    import hashlib
-    import json
-
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
 # save_pretrained copies these files next to the weights and writes `auto_map`, so a Hub repo of the drafter loads
 # with `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` and no hf_d3d installed.
 D3DConfig.register_for_auto_class()
 D3DDrafterModel.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["D3DDrafterModel", "D3DConfig", "tokenizer_fingerprint"]
+__all__ = ["D3DDrafterModel", "D3DConfig"]

@@ -34,7 +34,7 @@ def test_tokenizer_mismatch_is_refused():
     target = tiny_target("llama")
     mine = FakeTokenizer({f"t{i}": i for i in range(96)})
     theirs = FakeTokenizer({f"u{i}": i for i in range(96)})
-    drafter = make_drafter(target, tokenizer=mine)
+    drafter = make_drafter(target, tokenizer_fingerprint=tokenizer_fingerprint(mine))
     assert drafter.config.tokenizer_fingerprint == tokenizer_fingerprint(mine)
     check_pair(target, drafter, mine)
     with pytest.raises(ValueError, match="tokenizer"):

@@ -46,7 +46,8 @@ def test_remote_code_imports_only_torch_and_transformers(saved):
                 roots = {node.module.split(".")[0]}
             else:
                 continue
-            assert roots <= {"torch", "transformers", "__future__", "dataclasses", "hashlib", "json"}, (name, roots)
+            # torch, transformers and three standard-library modules: nothing a Hub user has to install or audit
+            assert roots <= {"torch", "transformers", "__future__", "dataclasses", "time"}, (name, roots)
 
 
 @pytest.mark.parametrize("auto_cls", [AutoModel, AutoModelForCausalLM])
