@@ -168,6 +168,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = D3DBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.last_stats = None  # D3DStats of the most recent drafting session (set by the candidate generator)
         self.post_init()
         # Both Auto classes resolve to the drafter in a saved folder (save_pretrained copies these files there).
         config.auto_map = {
