@@ -4,6 +4,16 @@ from hf_d3d.checks import check_pair, tokenizer_fingerprint
 from hf_d3d.modeling.configuration_d3d import D3DConfig
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, D3DStats
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.speculative import d3d_generate, speculative_generate
 
-__all__ = ["D3DConfig", "D3DDrafterModel", "D3DCandidateGenerator", "D3DStats", "check_pair", "tokenizer_fingerprint"]
+__all__ = [
+    "D3DConfig",
+    "D3DDrafterModel",
+    "D3DCandidateGenerator",
+    "D3DStats",
+    "check_pair",
+    "tokenizer_fingerprint",
+    "speculative_generate",
+    "d3d_generate",
+]
 __version__ = "0.1.0"

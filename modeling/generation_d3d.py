@@ -172,6 +172,11 @@ class D3DCandidateGenerator(CandidateGenerator):
             self._launch_packed(input_ids, draft, logits)
         return torch.cat([input_ids, draft], dim=1), scores
 
+    def record_outcome(self, accepted: int, committed: int) -> None:
+        """Record a round's outcome when the caller knows it (the fast loop) instead of inferring it next round."""
+        self.stats.record(accepted, committed)
+        self._last_draft = None
+
     def _observe(self, input_ids: torch.LongTensor) -> None:
         """Infer how much of the last draft the target accepted from the tokens it committed since."""
         if self._last_draft is None:

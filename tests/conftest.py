@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from hf_d3d import D3DDrafterModel
+from hf_d3d import D3DDrafterModel, speculative
 from hf_d3d.modeling import generation_d3d
 
 torch.set_num_threads(1)
@@ -53,7 +53,9 @@ class OracleGenerator(generation_d3d.D3DCandidateGenerator):
     noise = 0.0
 
     def _draft_logits(self, input_ids):
-        super()._draft_logits(input_ids)  # keep the drafter's cache bookkeeping exercised
+        real = super()._draft_logits(input_ids)  # keep the drafter's cache bookkeeping exercised
+        if self.target is None:  # no oracle set: behave as the real drafter
+            return real
         seq = input_ids
         logits = []
         for _ in range(self.block_size):
@@ -71,6 +73,7 @@ class OracleGenerator(generation_d3d.D3DCandidateGenerator):
 def oracle(monkeypatch):
     """Patch the candidate generator so drafters become oracles of ``target`` (set ``.target`` / ``.noise``)."""
     monkeypatch.setattr(generation_d3d, "D3DCandidateGenerator", OracleGenerator)
+    monkeypatch.setattr(speculative, "D3DCandidateGenerator", OracleGenerator)
     yield OracleGenerator
     OracleGenerator.target, OracleGenerator.noise = None, 0.0
 

@@ -1,0 +1,141 @@
+"""The opt-in fast loop: D3D speculative decoding that owns the whole decode (batch size 1).
+
+Same tokens as ``target.generate``; less per-round work than transformers' general assisted loop (no candidate
+generator plumbing, no per-round kwargs copies, one host sync per round to read the acceptance length).
+Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.generation import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from hf_d3d.checks import check_pair
+from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
+from hf_d3d.verify import verify_greedy, verify_sampling
+
+
+def _warpers(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+    procs = LogitsProcessorList()
+    if do_sample:
+        if temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            procs.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p))
+    return procs
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, torch.Tensor):
+        return set(eos_token_id.reshape(-1).tolist())
+    return set(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else {int(eos_token_id)}
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: PreTrainedModel,
+    drafter: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = "default",  # type: ignore[assignment]
+    attention_mask: torch.Tensor | None = None,
+    streamer=None,
+    async_drafting: bool | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.LongTensor:
+    """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
+
+    ``eos_token_id`` defaults to the target's generation config; pass ``None`` to ignore EOS. Statistics of the
+    call (every round counted) are in ``drafter.last_stats``.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"speculative_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("speculative_generate does not support padded inputs (attention_mask with zeros)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_pair(target, drafter)
+    if eos_token_id == "default":
+        eos_token_id = target.generation_config.eos_token_id
+    eos = _eos_set(eos_token_id)
+    procs = logits_processor if logits_processor is not None else _warpers(do_sample, temperature, top_k, top_p)
+    device = target.device
+    seq = input_ids.to(device)
+    if streamer is not None:
+        streamer.put(seq.cpu())
+    limit = seq.shape[1] + max_new_tokens
+    cache = DynamicCache()
+    if seq.shape[1] > 1:  # the target caches all committed tokens but the last, which opens each verify pass
+        target(seq[:, :-1], past_key_values=cache, use_cache=True)
+    gen = D3DCandidateGenerator(drafter, procs, do_sample=do_sample, async_drafting=async_drafting)
+    drafter.last_stats = gen.stats
+    while seq.shape[1] < limit:
+        cand, q_scores = gen.get_candidates(seq, max_new_tokens=limit - seq.shape[1] - 1)
+        k = cand.shape[1] - seq.shape[1]
+        logits = target(cand[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True).logits
+        logits = logits[0, -(k + 1) :].float()
+        if len(procs):
+            for i in range(k + 1):  # processors see exactly the prefix each position was predicted from
+                logits[i] = procs(cand[:, : seq.shape[1] + i], logits[i : i + 1])[0]
+        draft = cand[0, seq.shape[1] :]
+        if do_sample:
+            n, nxt = verify_sampling(draft, q_scores[0].softmax(-1), logits.softmax(-1), generator)
+        else:
+            n, nxt = verify_greedy(draft, logits)
+        new = draft[:n].tolist() + [nxt]
+        new = new[: limit - seq.shape[1]]
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new = new[: i + 1]
+                break
+        gen.record_outcome(min(n, len(new)), len(new))
+        seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
+        cache.crop(-(cache.get_seq_length() - (seq.shape[1] - 1)))
+        if streamer is not None:
+            streamer.put(torch.tensor(new))
+        if new[-1] in eos:
+            break
+    if streamer is not None:
+        streamer.end()
+    return seq
+
+
+def d3d_generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria,
+    generation_config,
+    drafter: PreTrainedModel = None,
+    **model_kwargs,
+) -> torch.LongTensor:
+    """``custom_generate`` entry: ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``."""
+    if drafter is None:
+        raise ValueError("custom_generate=d3d_generate needs drafter=<a D3D drafter>")
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError("D3D speculative decoding does not support beam search")
+    return speculative_generate(
+        model,
+        drafter,
+        input_ids,
+        max_new_tokens=generation_config.max_length - input_ids.shape[1],
+        do_sample=bool(generation_config.do_sample),
+        eos_token_id=generation_config.eos_token_id,
+        attention_mask=model_kwargs.get("attention_mask"),
+        logits_processor=logits_processor,
+    )

@@ -1,0 +1,137 @@
+"""The fast loop (`speculative_generate`, `custom_generate=d3d_generate`) and the pure verification functions."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_sampling import _target_joint, chi_square_pvalue
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
+
+from conftest import VOCAB, make_drafter, tiny_target
+from hf_d3d import d3d_generate, speculative_generate
+from hf_d3d.evaluate import count_forwards
+from hf_d3d.verify import verify_greedy, verify_sampling
+
+TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
+DRAFTERS = {(fam, b): make_drafter(t, block_size=b) for fam, t in TARGETS.items() for b in (1, 2, 4, 8, 16)}
+
+
+def plain(target, x, max_new, eos):
+    return target.generate(
+        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, eos_token_id=eos
+    )
+
+
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    family=st.sampled_from(["llama", "qwen3"]),
+    block=st.sampled_from([1, 2, 4, 8, 16]),
+    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=20),
+    max_new=st.integers(1, 40),
+    noise=st.sampled_from([None, 0.0, 0.3]),
+    async_drafting=st.booleans(),
+    eos_at=st.one_of(st.none(), st.integers(0, 39)),
+)
+def test_fast_loop_equals_plain_greedy(oracle, family, block, prompt, max_new, noise, async_drafting, eos_at):
+    target, drafter = TARGETS[family], DRAFTERS[(family, block)]
+    if noise is not None:  # None: the untrained drafter itself; else an oracle that is right with prob 1 - noise
+        oracle.target, oracle.noise = target, noise
+    else:
+        oracle.target = None
+    x = torch.tensor([prompt])
+    eos = None
+    if eos_at is not None:
+        eos = int(plain(target, x, 40, None)[0, x.shape[1] + eos_at])
+    ref = plain(target, x, max_new, eos)
+    out = speculative_generate(
+        target, drafter, x, max_new_tokens=max_new, eos_token_id=eos, async_drafting=async_drafting
+    )
+    assert torch.equal(out, ref)
+    stats = drafter.last_stats
+    assert stats.committed_tokens == out.shape[1] - x.shape[1]  # every round is counted in the fast loop
+
+
+def test_custom_generate_entry_point():
+    target, drafter = TARGETS["qwen3"], DRAFTERS[("qwen3", 4)]
+    x = torch.tensor([[9, 10, 11, 12]])
+    ref = plain(target, x, 20, 3)
+    out = target.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=20,
+        eos_token_id=3,
+        do_sample=False,
+        custom_generate=d3d_generate,
+        drafter=drafter,
+    )
+    assert torch.equal(out, ref)
+
+
+def test_fast_loop_tau_counts_target_forwards(oracle):
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 8)]
+    oracle.target = target
+    x = torch.tensor([[5, 6, 7]])
+    with count_forwards(target) as calls:
+        out = speculative_generate(target, drafter, x, max_new_tokens=27, eos_token_id=None)
+    oracle.target = None
+    verify_calls = len(drafter.last_stats.acceptance_lengths)
+    assert drafter.last_stats.tau == (out.shape[1] - 3) / verify_calls
+    assert verify_calls == 3  # 27 tokens with a perfect drafter: 9 per verification
+    assert calls["n"] > verify_calls  # the oracle's own target calls come on top
+
+
+def test_verify_greedy_cases():
+    logits = torch.full((4, 10), -1.0)
+    for i, tok in enumerate([2, 5, 7, 9]):
+        logits[i, tok] = 1.0
+    assert verify_greedy(torch.tensor([2, 5, 7]), logits) == (3, 9)  # all accepted, bonus 9
+    assert verify_greedy(torch.tensor([2, 4, 7]), logits) == (1, 5)  # correction at the first mismatch
+    assert verify_greedy(torch.tensor([0, 5, 7]), logits) == (0, 2)
+    assert verify_greedy(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 2)
+
+
+def test_verify_sampling_is_exact_for_the_first_token():
+    torch.manual_seed(0)
+    vocab = 6
+    q = torch.softmax(torch.randn(2, vocab) * 2, -1)
+    p = torch.softmax(torch.randn(3, vocab) * 2, -1)
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(vocab)
+    for _ in range(6000):
+        draft = torch.stack([torch.multinomial(q[i], 1, generator=gen)[0] for i in range(2)])
+        n, nxt = verify_sampling(draft, q, p, gen)
+        first = int(draft[0]) if n >= 1 else nxt
+        counts[first] += 1
+    assert chi_square_pvalue(counts, p[0]) > 1e-3
+    # identical p and q: every draft token is accepted
+    n, _ = verify_sampling(torch.tensor([1, 2]), p[:2], torch.cat([p[:2], p[2:]]), gen)
+    assert n == 2
+
+
+def test_fast_loop_sampling_matches_target_distribution():
+    target = tiny_target("qwen3", vocab=12, seed=5)
+    drafter = make_drafter(target, block_size=2)
+    x = torch.tensor([[4, 7, 9]])
+    with torch.no_grad():
+        joint = _target_joint(target, x, LogitsProcessorList([TemperatureLogitsWarper(0.5)]))
+    torch.manual_seed(3)
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.zeros(144)
+    for trial in range(2500):
+        out = speculative_generate(
+            target,
+            drafter,
+            x,
+            max_new_tokens=3,
+            do_sample=True,
+            temperature=0.5,
+            eos_token_id=None,
+            async_drafting=trial % 2 == 0,
+            generator=gen,
+        )
+        a, b = out[0, 3:5].tolist()
+        counts[a * 12 + b] += 1
+    assert chi_square_pvalue(counts, joint) > 1e-3
