@@ -116,6 +116,23 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         raise SystemExit("FAILED: a method's greedy output differs from plain generate")
 
 
+def _cmd_demo(args: argparse.Namespace) -> None:
+    from hf_d3d.checks import check_pair
+    from hf_d3d.demo import report, run_demo
+    from hf_d3d.targets import load_drafter, load_target
+
+    print(f"loading target {args.target or 'HuggingFaceTB/SmolLM2-135M-Instruct (embedded)'} ...", flush=True)
+    target, tokenizer = load_target(args.target)
+    drafter = load_drafter(args.drafter)
+    check_pair(target, drafter, tokenizer)
+    print(f"prompt: {args.prompt}\n--- D3D answer (streamed) ---", flush=True)
+    result = run_demo(target, drafter, tokenizer, args.prompt, args.max_new_tokens)
+    print("--- comparison ---")
+    print(report(result))
+    if not result.identical:
+        raise SystemExit("FAILED: D3D output differs from plain generate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-d3d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="plain,prompt_lookup,d3d_sync,d3d_async,d3d_fast")
     p.add_argument("--out", required=True, help="RESULT.json (a .md table and a .png plot are written beside it)")
     p.set_defaults(func=_cmd_bench)
+
+    from hf_d3d.demo import DEFAULT_PROMPT
+
+    p = sub.add_parser("demo", help="stream an answer with D3D and compare it with plain decoding")
+    p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="Hub id or folder (default: the committed SmolLM2 drafter)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -37,14 +37,16 @@ class D3DRMSNorm(nn.Module):
 class D3DRotary(nn.Module):
     def __init__(self, config: D3DConfig):
         super().__init__()
-        params = config.rope_parameters
-        if params.get("rope_type", "default") == "default":
-            dim = config.head_dim
-            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            self.scaling = 1.0
-        else:  # scaled variants (llama3, yarn, ...) come from transformers' own table
-            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config)
+        self.config = config
+        inv_freq, self.scaling = self.compute_inv_freq()
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    def compute_inv_freq(self) -> tuple[torch.Tensor, float]:
+        params = self.config.rope_parameters
+        if params.get("rope_type", "default") == "default":
+            dim = self.config.head_dim
+            return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        return ROPE_INIT_FUNCTIONS[params["rope_type"]](self.config)  # scaled variants: transformers' own table
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq
@@ -124,6 +126,10 @@ class D3DPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, D3DRMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, D3DRotary):
+            # from_pretrained leaves non-persistent buffers empty and relies on this to fill them
+            with torch.no_grad():
+                module.inv_freq.copy_(module.compute_inv_freq()[0])
         elif isinstance(module, D3DBackbone) and module.mask_embedding is not None:
             nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
 

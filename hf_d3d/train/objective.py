@@ -98,4 +98,5 @@ def d3d_loss(
     with torch.no_grad():
         slot0 = slot_index[is_slot] == 0
         acc0 = (slot_logits[slot0].argmax(-1) == labels[is_slot][slot0]).float().mean() if slot0.any() else 0
-    return total, {"loss": float(total), "denoise": float(denoise), "ar": float(ar), "slot0_acc": float(acc0)}
+    metrics = {"loss": total.item(), "denoise": denoise.item(), "ar": ar.item(), "slot0_acc": float(acc0)}
+    return total, metrics

@@ -1,0 +1,97 @@
+"""``hf-d3d demo``: stream an answer with D3D, decode the same prompt plainly, and compare speed and output."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TextStreamer
+
+from hf_d3d.evaluate import count_forwards
+from hf_d3d.train.distill import chat_prompt_ids
+
+DEFAULT_PROMPT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+MAX_NEW_TOKENS_LIMIT = 2048
+
+
+@dataclass
+class DemoResult:
+    d3d_text: str
+    plain_text: str
+    d3d_tokens_per_second: float
+    plain_tokens_per_second: float
+    speedup: float
+    tau: float
+    identical: bool
+    new_tokens: int
+
+
+def validate_request(prompt: str, max_new_tokens: int, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int]:
+    """Turn a user prompt into token ids, or raise ValueError with a message meant for a person."""
+    if not prompt or not prompt.strip():
+        raise ValueError("The prompt is empty: type a question or instruction.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    if max_new_tokens > MAX_NEW_TOKENS_LIMIT:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} is too large for a demo; use at most {MAX_NEW_TOKENS_LIMIT}."
+        )
+    ids = chat_prompt_ids(tokenizer, prompt)
+    if len(ids) + max_new_tokens > context:
+        raise ValueError(
+            f"The prompt is {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds the model's context "
+            f"of {context} tokens. Shorten the prompt or lower max_new_tokens."
+        )
+    return ids
+
+
+@torch.no_grad()
+def run_demo(
+    target: PreTrainedModel,
+    drafter: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str = DEFAULT_PROMPT,
+    max_new_tokens: int = 128,
+    stream: bool = True,
+) -> DemoResult:
+    """Warm up, then D3D (streamed) and plain greedy decoding of the same prompt, timed side by side."""
+    context = getattr(target.config, "max_position_embeddings", 1 << 30)
+    ids = validate_request(prompt, max_new_tokens, tokenizer, context)
+    x = torch.tensor([ids], device=target.device)
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    target.generate(x[:, :8], max_new_tokens=4, assistant_model=drafter, **kw)  # warm-up
+    target.generate(x[:, :8], max_new_tokens=4, **kw)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    start = time.perf_counter()
+    with count_forwards(target) as calls:
+        out = target.generate(x, max_new_tokens=max_new_tokens, assistant_model=drafter, streamer=streamer, **kw)
+    d3d_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    ref = target.generate(x, max_new_tokens=max_new_tokens, **kw)
+    plain_seconds = time.perf_counter() - start
+    new = out.shape[1] - x.shape[1]
+    return DemoResult(
+        d3d_text=tokenizer.decode(out[0, x.shape[1] :], skip_special_tokens=True),
+        plain_text=tokenizer.decode(ref[0, x.shape[1] :], skip_special_tokens=True),
+        d3d_tokens_per_second=new / d3d_seconds,
+        plain_tokens_per_second=(ref.shape[1] - x.shape[1]) / plain_seconds,
+        speedup=plain_seconds / d3d_seconds,
+        tau=new / max(calls["n"], 1),
+        identical=bool(torch.equal(out, ref)),
+        new_tokens=new,
+    )
+
+
+def report(result: DemoResult) -> str:
+    return "\n".join(
+        [
+            f"D3D   : {result.d3d_tokens_per_second:6.1f} tokens/s   (tau {result.tau:.2f} tokens per target forward)",
+            f"plain : {result.plain_tokens_per_second:6.1f} tokens/s",
+            f"speedup {result.speedup:.2f}x over plain generate on {result.new_tokens} new tokens; "
+            f"outputs identical: {'yes' if result.identical else 'NO'}",
+        ]
+    )

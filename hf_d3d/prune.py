@@ -1,0 +1,154 @@
+"""Progressive layer pruning by acceptance length: drop the layer whose removal costs the least tau, repeat.
+
+Each step measures mean tau on calibration prompts with every remaining layer skipped in turn (layers are skipped
+at run time, so no copy is made), removes the cheapest one, and optionally heals with a short fine-tune. It stops
+before tau would fall below ``retention`` x the unpruned tau, or at ``target_depth``. Progress is saved after every
+step (``prune_state.json``), so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from hf_d3d.evaluate import measure_tau
+from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.train.distill import write_json_atomic
+
+STATE = "prune_state.json"
+REPORT = "prune_report.json"
+
+
+def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
+    """A physically smaller copy of ``drafter`` without the layers at indices ``remove``; provenance kept."""
+    keep = [i for i in range(drafter.config.num_hidden_layers) if i not in set(remove)]
+    if not keep:
+        raise ValueError("cannot remove every layer")
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers = len(keep)
+    source_ids = drafter.config.target_layer_ids or list(range(drafter.config.num_hidden_layers))
+    config.target_layer_ids = [source_ids[i] for i in keep]
+    pruned = D3DDrafterModel(config).to(dtype=drafter.dtype, device=drafter.device)
+    state = drafter.state_dict()
+    renamed = {}
+    for name, value in state.items():
+        if name.startswith("model.layers."):
+            idx, rest = name[len("model.layers.") :].split(".", 1)
+            if int(idx) not in keep:
+                continue
+            name = f"model.layers.{keep.index(int(idx))}.{rest}"
+        renamed[name] = value
+    pruned.load_state_dict(renamed, strict=True)
+    pruned.generation_config = copy.deepcopy(drafter.generation_config)
+    return pruned.eval()
+
+
+def tau_with_skipped(
+    target: PreTrainedModel, drafter: D3DDrafterModel, prompts_ids: list[list[int]], skip: set[int], max_new: int
+) -> float:
+    drafter.model.skip_layers = set(skip)
+    try:
+        return measure_tau(target, drafter, prompts_ids, max_new)["tau"]
+    finally:
+        drafter.model.skip_layers = set()
+
+
+def prune(
+    target: PreTrainedModel,
+    drafter: D3DDrafterModel,
+    prompts_ids: list[list[int]],
+    out_dir: str | Path,
+    retention: float = 0.99,
+    target_depth: int | None = None,
+    max_new_tokens: int = 64,
+    heal: Callable[[D3DDrafterModel, list[int]], None] | None = None,
+) -> dict:
+    """Prune ``drafter`` progressively; writes ``out_dir/model`` (smaller checkpoint), the report and a plot."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_layers = drafter.config.num_hidden_layers
+    floor = max(1, target_depth or 1)
+    state_path = out / STATE
+    if state_path.is_file():
+        state = json.loads(state_path.read_text())
+    else:
+        base = tau_with_skipped(target, drafter, prompts_ids, set(), max_new_tokens)
+        state = {"base_tau": base, "removed": [], "steps": [{"layers": n_layers, "removed": None, "tau": base}]}
+        write_json_atomic(state_path, state)
+    base = state["base_tau"]
+    bar = tqdm(total=n_layers - floor, initial=len(state["removed"]), desc="prune")
+    while n_layers - len(state["removed"]) > floor and not state.get("done"):
+        removed = set(state["removed"])
+        candidates = {}
+        for layer in range(n_layers):
+            if layer not in removed:
+                candidates[layer] = tau_with_skipped(target, drafter, prompts_ids, removed | {layer}, max_new_tokens)
+        best = max(candidates, key=lambda k: (candidates[k], k))
+        keep_going = target_depth is not None or candidates[best] >= retention * base
+        step = {
+            "layers": n_layers - len(removed) - 1,
+            "removed": best,
+            "tau": candidates[best],
+            "retention": candidates[best] / base if base else 0.0,
+            "candidates": {str(k): v for k, v in candidates.items()},
+            "accepted": keep_going,
+        }
+        state["steps"].append(step)
+        if not keep_going:
+            state["done"] = True  # the cheapest removal would cost more than the threshold allows
+        else:
+            state["removed"].append(best)
+            if heal is not None:
+                heal(drafter, state["removed"])
+            bar.update(1)
+        write_json_atomic(state_path, state)
+    bar.close()
+
+    pruned = drop_layers(drafter, state["removed"])
+    model_dir = out / "model"
+    pruned.save_pretrained(model_dir)
+    source_ids = drafter.config.target_layer_ids or list(range(n_layers))
+    report = {
+        "base_tau": base,
+        "retention_threshold": retention,
+        "target_depth": target_depth,
+        "removed_layers": state["removed"],
+        "removed_target_layers": [source_ids[i] for i in state["removed"]],
+        "kept_target_layers": pruned.config.target_layer_ids,
+        "final_layers": pruned.config.num_hidden_layers,
+        "final_tau": [s for s in state["steps"] if s.get("accepted", True)][-1]["tau"],
+        "steps": state["steps"],
+        "calibration_prompts": len(prompts_ids),
+        "max_new_tokens": max_new_tokens,
+    }
+    write_json_atomic(out / REPORT, report)
+    write_json_atomic(model_dir / REPORT, report)
+    plot_report(report, out / "prune_tau.png")
+    return report
+
+
+def plot_report(report: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s for s in report["steps"] if s.get("accepted", True)]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([s["layers"] for s in steps], [s["tau"] for s in steps], marker="o", label="kept")
+    rejected = [s for s in report["steps"] if not s.get("accepted", True)]
+    if rejected:
+        ax.plot([s["layers"] for s in rejected], [s["tau"] for s in rejected], "x", color="red", label="rejected")
+    ax.axhline(report["base_tau"] * report["retention_threshold"], color="gray", ls="--", lw=1, label="threshold")
+    ax.set_xlabel("drafter layers")
+    ax.set_ylabel("mean tau")
+    ax.invert_xaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

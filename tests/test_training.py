@@ -1,0 +1,135 @@
+"""Training: loss masks, both loss terms learn on a tiny overfit run, exact resume, bad data refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_drafter, tiny_target
+from hf_d3d.evaluate import measure_tau
+from hf_d3d.train import trainer
+from hf_d3d.train.distill import DistillConfig, distill, load_records
+from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
+from hf_d3d.train.trainer import TrainConfig, train, validate_records
+
+
+class ToyTokenizer:
+    """Enough of a tokenizer for distillation on a tiny random target: prompts are space-separated ids."""
+
+    chat_template = None
+    pad_token_id = 0
+    eos_token_id = 3
+
+    def __call__(self, text):
+        return {"input_ids": [int(t) for t in text.split()]}
+
+
+@pytest.fixture(scope="module")
+def toy():
+    target = tiny_target("llama", seed=11)
+    prompts = [" ".join(str(4 + (i * 7 + j * 3) % 90) for j in range(5 + i % 4)) for i in range(12)]
+    return target, prompts
+
+
+@pytest.fixture(scope="module")
+def toy_data(toy, tmp_path_factory):
+    target, prompts = toy
+    out = tmp_path_factory.mktemp("distill")
+    distill(target, ToyTokenizer(), prompts, out, DistillConfig(max_new_tokens=24, batch_size=5))
+    return load_records(out)
+
+
+def test_distill_resumes_and_marks_completion(toy, tmp_path):
+    target, prompts = toy
+    cfg = DistillConfig(max_new_tokens=8, batch_size=4)
+    distill(target, ToyTokenizer(), prompts[:4], tmp_path, cfg)
+    first = (tmp_path / "records.jsonl").read_text()
+    (tmp_path / "meta.json").unlink()  # pretend the run died after the first prompts were written
+    with open(tmp_path / "records.jsonl", "a") as f:
+        f.write('{"idx": 9, "prompt_ids": [1, 2')  # and a torn last line
+    with pytest.raises(FileNotFoundError, match="not a finished"):
+        load_records(tmp_path)
+    distill(target, ToyTokenizer(), prompts[:6], tmp_path, cfg)
+    records = load_records(tmp_path)
+    assert sorted(r["idx"] for r in records) == list(range(6))
+    assert (tmp_path / "records.jsonl").read_text().startswith(first)
+    assert json.loads((tmp_path / "meta.json").read_text())["num_records"] == 6
+
+
+def test_loss_masks():
+    records = [{"idx": 0, "prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11]}]
+    batch = make_batch(records, block_size=3, num_blocks=2, pad_id=0, fill_id=0, generator=torch.Generator())
+    width = 7
+    labels, lay = batch.labels[0], batch.layout
+    # AR loss on response tokens only: positions 2..5 predict tokens 3..6; the prompt and the last token carry none
+    assert labels[:width].tolist() == [IGNORE, IGNORE, 8, 9, 10, 11, IGNORE]
+    for b in range(2):
+        start = width + 3 * b
+        anchor = int(lay.anchors[0, start])
+        assert 2 <= anchor <= 5  # anchored at the last prompt token or inside the response
+        seq = [5, 6, 7, 8, 9, 10, 11]
+        expect = [seq[anchor + 1 + j] if anchor + 1 + j < 7 else IGNORE for j in range(3)]
+        assert labels[start : start + 3].tolist() == expect
+        assert batch.slot_index[0, start : start + 3].tolist() == [0, 1, 2]
+    mask = lay.attention_mask()[0, 0]
+    assert not mask[:width, width:].any()  # context never sees block slots
+    slot = width
+    anchor = int(lay.anchors[0, slot])
+    assert mask[slot, : anchor + 1].all() and not mask[slot, anchor + 1 : width].any()
+
+
+def test_both_losses_decrease_and_tau_rises(toy, toy_data, tmp_path):
+    target, _ = toy
+    drafter = make_drafter(target, block_size=4, layers=2)
+    before = measure_tau(target, drafter, [r["prompt_ids"] for r in toy_data[:6]], 24)["tau"]
+    gen = torch.Generator().manual_seed(0)
+    first = d3d_loss(drafter, make_batch(toy_data, 4, 4, 0, 0, gen), 0.5)[1]
+    cfg = TrainConfig(max_steps=150, batch_size=6, lr=3e-3, warmup_steps=10, save_every=1000, eval_every=1000)
+    final = train(drafter, toy_data, tmp_path, cfg)
+    trained = type(drafter).from_pretrained(final)
+    last = d3d_loss(trained, make_batch(toy_data, 4, 4, 0, 0, torch.Generator().manual_seed(0)), 0.5)[1]
+    assert last["denoise"] < 0.5 * first["denoise"]
+    assert last["ar"] < 0.5 * first["ar"]
+    after = measure_tau(target, trained, [r["prompt_ids"] for r in toy_data[:6]], 24)["tau"]
+    assert after > before + 0.5  # the drafter learned the target's own continuations
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch):
+    target, _ = toy
+    cfg = TrainConfig(max_steps=6, batch_size=4, lr=1e-3, warmup_steps=2, save_every=3, eval_every=1000)
+    straight = train(make_drafter(target, block_size=4), toy_data, tmp_path / "a", cfg)
+
+    real_save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):  # the process dies right after the step-3 checkpoint is on disk
+        real_save(*args, **kwargs)
+        raise Killed
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    assert not (tmp_path / "b" / "final").exists()
+    resumed = train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
+    a = type(make_drafter(target)).from_pretrained(straight).state_dict()
+    b = type(make_drafter(target)).from_pretrained(resumed).state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bad_records_are_refused():
+    good = {"idx": 0, "prompt_ids": [5, 6], "response_ids": [7, 8]}
+    with pytest.raises(ValueError, match="empty response"):
+        validate_records([{**good, "response_ids": []}], 96, 512, 4)
+    with pytest.raises(KeyError, match="response_ids"):
+        validate_records([{"idx": 0, "prompt_ids": [5]}], 96, 512, 4)
+    with pytest.raises(ValueError, match="exceeds"):
+        validate_records([{**good, "prompt_ids": list(range(4, 90)) * 6}], 96, 512, 4)
+    with pytest.raises(ValueError, match="outside the drafter vocabulary"):
+        validate_records([{**good, "response_ids": [500]}], 96, 512, 4)
