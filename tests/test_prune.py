@@ -1,0 +1,81 @@
+"""Pruning: the provably useless layer goes first, and the smaller checkpoint equals the skip-layer model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_training import ToyTokenizer
+from transformers import AutoModelForCausalLM
+
+from conftest import make_drafter, tiny_target
+from hf_d3d.evaluate import measure_tau
+from hf_d3d.prune import drop_layers, prune
+from hf_d3d.train.distill import DistillConfig, distill, load_records
+from hf_d3d.train.trainer import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 3-layer drafter trained on a tiny target, whose middle layer is frozen at zero output (an identity)."""
+    target = tiny_target("llama", seed=11)
+    prompts = [" ".join(str(4 + (i * 5 + j * 11) % 90) for j in range(4 + i % 5)) for i in range(16)]
+    data_dir = tmp_path_factory.mktemp("data")
+    distill(target, ToyTokenizer(), prompts, data_dir, DistillConfig(max_new_tokens=24, batch_size=8))
+    records = load_records(data_dir)
+    drafter = make_drafter(target, block_size=4, layers=3)
+    useless = drafter.model.layers[1]
+    with torch.no_grad():
+        useless.self_attn.o_proj.weight.zero_()
+        useless.mlp.down_proj.weight.zero_()
+    for p in useless.parameters():
+        p.requires_grad_(False)  # stays an identity: its residual contributions are exactly zero
+    cfg = TrainConfig(max_steps=200, batch_size=8, lr=3e-3, warmup_steps=10, save_every=1000, eval_every=1000)
+    final = train(drafter, records, tmp_path_factory.mktemp("run"), cfg)
+    drafter = type(drafter).from_pretrained(final)
+    assert not drafter.model.layers[1].mlp.down_proj.weight.any()
+    return target, drafter, [r["prompt_ids"] for r in records[:8]]
+
+
+def test_prune_removes_the_useless_layer_first(trained, tmp_path):
+    target, drafter, prompts = trained
+    report = prune(target, drafter, prompts, tmp_path, retention=0.99, max_new_tokens=24)
+    first = report["steps"][1]
+    assert first["removed"] == 1
+    assert first["tau"] == report["base_tau"]  # removing an identity layer changes nothing
+    assert report["base_tau"] > 1.5  # the drafter is good enough for the comparison to mean something
+    others = {k: v for k, v in first["candidates"].items() if k != "1"}
+    assert all(v <= first["tau"] for v in others.values())
+    saved = json.loads((tmp_path / "prune_report.json").read_text())
+    assert saved["removed_layers"][0] == 1 and (tmp_path / "prune_tau.png").stat().st_size > 1000
+    assert saved["kept_target_layers"] == [
+        drafter.config.target_layer_ids[i] for i in range(3) if i not in saved["removed_layers"]
+    ]
+
+
+def test_prune_resumes_from_its_state(trained, tmp_path):
+    target, drafter, prompts = trained
+    report = prune(target, drafter, prompts, tmp_path, target_depth=2, max_new_tokens=24)
+    state = json.loads((tmp_path / "prune_state.json").read_text())
+    again = prune(target, drafter, prompts, tmp_path, target_depth=2, max_new_tokens=24)  # nothing left to do
+    assert again["steps"] == report["steps"] == state["steps"]
+
+
+def test_pruned_checkpoint_equals_skip_layer_model(trained, tmp_path, monkeypatch):
+    target, drafter, prompts = trained
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    drop_layers(drafter, [2]).save_pretrained(tmp_path / "pruned")
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "pruned", trust_remote_code=True)
+    assert pruned.config.num_hidden_layers == 2
+    assert pruned.config.target_layer_ids == drafter.config.target_layer_ids[:2]
+    drafter.model.skip_layers = {2}
+    try:
+        x = torch.tensor([prompts[0]])
+        torch.testing.assert_close(pruned(x).logits, drafter(x).logits)
+        tau_skip = measure_tau(target, drafter, prompts, 24)
+        runs_skip = [drafter.last_stats.acceptance_lengths]
+    finally:
+        drafter.model.skip_layers = set()
+    tau_pruned = measure_tau(target, pruned, prompts, 24)
+    assert tau_pruned == tau_skip and [pruned.last_stats.acceptance_lengths] == runs_skip
