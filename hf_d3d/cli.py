@@ -133,6 +133,76 @@ def _cmd_demo(args: argparse.Namespace) -> None:
         raise SystemExit("FAILED: D3D output differs from plain generate")
 
 
+def _cmd_eval_tau(args: argparse.Namespace) -> None:
+    import json
+
+    from hf_d3d.checks import check_pair
+    from hf_d3d.evaluate import measure_tau
+    from hf_d3d.prompts import load_prompts
+    from hf_d3d.targets import load_drafter, load_target
+    from hf_d3d.train.distill import chat_prompt_ids, write_json_atomic
+
+    target, tokenizer = load_target(args.target)
+    drafter = load_drafter(args.drafter)
+    check_pair(target, drafter, tokenizer)
+    rows = []
+    for source in args.prompts.split(","):
+        ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(source, args.field, args.num_prompts)]
+        res = measure_tau(target, drafter, ids, args.max_new_tokens, progress=True)
+        command = (
+            f"hf-d3d eval-tau --drafter {args.drafter} --prompts {source} --num-prompts {args.num_prompts} "
+            f"--max-new-tokens {args.max_new_tokens}"
+        )
+        rows.append(
+            {
+                "dataset": source,
+                "num_prompts": len(ids),
+                "max_new_tokens": args.max_new_tokens,
+                **res,
+                "command": command,
+            }
+        )
+        print(f"{source}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens)")
+    if args.write_metrics:
+        path = Path(args.drafter) / "d3d_metrics.json"
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        keep = [r for r in old.get("rows", []) if r["dataset"] not in {r2["dataset"] for r2 in rows}]
+        write_json_atomic(path, {**old, "rows": keep + rows})
+        print(f"updated {path}")
+
+
+def _cmd_prune(args: argparse.Namespace) -> None:
+    from hf_d3d.checks import check_pair
+    from hf_d3d.prompts import load_prompts
+    from hf_d3d.prune import prune
+    from hf_d3d.targets import load_drafter, load_target
+    from hf_d3d.train.distill import chat_prompt_ids
+
+    target, tokenizer = load_target(args.target)
+    drafter = load_drafter(args.drafter)
+    check_pair(target, drafter, tokenizer)
+    ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]
+    report = prune(target, drafter, ids, args.out, args.retention, args.target_depth, args.max_new_tokens)
+    print(
+        f"{report['final_layers']} layers kept (removed {report['removed_layers']}): "
+        f"tau {report['base_tau']:.3f} -> {report['final_tau']:.3f}; checkpoint in {Path(args.out) / 'model'}"
+    )
+
+
+def _cmd_publish(args: argparse.Namespace) -> None:
+    from hf_d3d.publish import assemble, publish
+
+    folder = assemble(
+        args.checkpoint,
+        args.folder or Path(args.checkpoint).with_name(Path(args.checkpoint).name + "-hub"),
+        args.repo_id,
+    )
+    print(f"Hub folder written to {folder}: {sorted(p.name for p in folder.iterdir())}")
+    if args.dry_run:
+        return
+    print(f"uploaded: {publish(folder, args.repo_id, private=args.private, force=args.force)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-d3d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +264,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="RESULT.json (a .md table and a .png plot are written beside it)")
     p.set_defaults(func=_cmd_bench)
 
+    p = sub.add_parser("eval-tau", help="measure a drafter's tau (greedy) on prompt sets")
+    p.add_argument("--target", default=None)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", default="gsm8k:test,humaneval", help="comma-separated prompt sources")
+    p.add_argument("--field", default="question")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--write-metrics", action="store_true", help="record the rows in DRAFTER/d3d_metrics.json")
+    p.set_defaults(func=_cmd_eval_tau)
+
+    p = sub.add_parser("prune", help="progressive layer pruning by acceptance length (resumable)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", default="gsm8k:train")
+    p.add_argument("--field", default="question")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--retention", type=float, default=0.99)
+    p.add_argument("--target-depth", type=int, default=None)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_prune)
+
+    p = sub.add_parser("publish", help="assemble a Hub folder (card included) and upload it with huggingface_hub")
+    p.add_argument("checkpoint")
+    p.add_argument("--repo-id", required=True)
+    p.add_argument("--folder", default=None, help="where to assemble the Hub folder (default: CHECKPOINT-hub)")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--force", action="store_true", help="upload over an existing repo")
+    p.add_argument("--dry-run", action="store_true", help="write the folder only")
+    p.set_defaults(func=_cmd_publish)
+
     from hf_d3d.demo import DEFAULT_PROMPT
 
     p = sub.add_parser("demo", help="stream an answer with D3D and compare it with plain decoding")
@@ -209,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (FileNotFoundError, KeyError, ValueError, OSError, ModuleNotFoundError) as err:
+    except (FileNotFoundError, KeyError, ValueError, OSError, ModuleNotFoundError, RuntimeError) as err:
         print(f"hf-d3d {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,129 @@
+"""Assemble a drafter checkpoint into a Hub repo folder (weights, remote code, rendered card) and upload it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "d3d_drafter.md"
+METRICS = "d3d_metrics.json"
+REMOTE_CODE = ("configuration_d3d.py", "modeling_d3d.py", "attention_d3d.py", "generation_d3d.py")
+REQUIRED = ("config.json", "model.safetensors", "generation_config.json", *REMOTE_CODE)
+OPTIONAL = ("prune_report.json", "training_log.json", METRICS)
+
+
+class PublishError(RuntimeError):
+    pass
+
+
+def load_metrics(checkpoint: Path) -> dict:
+    """The measured numbers a card must carry; a card without them is refused."""
+    path = checkpoint / METRICS
+    if not path.is_file():
+        raise PublishError(f"{path} is missing: measure the drafter first (`hf-d3d eval-tau`); no card without numbers")
+    metrics = json.loads(path.read_text())
+    rows = metrics.get("rows") or []
+    if not rows or any("tau" not in r or "command" not in r for r in rows):
+        raise PublishError(f"{path} has no measured rows with tau and the command that produced them")
+    return metrics
+
+
+def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
+    config = json.loads((checkpoint / "config.json").read_text())
+    base = metrics.get("base_model") or config.get("_name_or_path") or "unknown"
+    data = ModelCardData(
+        base_model=base,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=metrics.get("license", "apache-2.0"),
+        datasets=metrics.get("datasets", []),
+        tags=["speculative-decoding", "d3d", "drafter", "block-diffusion"],
+    )
+    table = ["| prompts | tau | speedup | command |", "|---|---|---|---|"]
+    for r in metrics["rows"]:
+        speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "not measured"
+        table.append(f"| {r['dataset']} | {r['tau']:.2f} | {speed} | `{r['command']}` |")
+    prune = checkpoint / "prune_report.json"
+    if prune.is_file():
+        rep = json.loads(prune.read_text())
+        pruning = (
+            f"Pruned from {rep['final_layers'] + len(rep['removed_layers'])} to {rep['final_layers']} layers "
+            f"(removed target layers {rep['removed_target_layers']}); tau {rep['base_tau']:.2f} -> "
+            f"{rep['final_tau']:.2f} on {rep['calibration_prompts']} calibration prompts."
+        )
+    else:
+        pruning = "Not pruned."
+    card = ModelCard.from_template(
+        data,
+        template_path=str(TEMPLATE),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        base_model=base,
+        num_layers=config["num_hidden_layers"],
+        block_size=config["block_size"],
+        metrics_table="\n".join(table),
+        training=metrics.get("training", "See the hf-d3d repository."),
+        pruning=pruning,
+    )
+    return str(card)
+
+
+def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:
+    """Write the Hub folder for ``checkpoint`` into ``out_dir`` (atomically): exactly the files a repo needs."""
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    missing = [f for f in REQUIRED if not (checkpoint / f).is_file()]
+    if missing:
+        raise PublishError(f"{checkpoint} is not a saved D3D drafter: missing {missing}")
+    metrics = load_metrics(checkpoint)
+    card = render_card(checkpoint, repo_id, metrics)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for name in REQUIRED + OPTIONAL:
+            if (checkpoint / name).is_file():
+                shutil.copy2(checkpoint / name, tmp / name)
+        (tmp / "README.md").write_text(card)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def publish(
+    folder: str | Path,
+    repo_id: str,
+    private: bool = False,
+    force: bool = False,
+    token: str | None = None,
+    endpoint: str | None = None,
+) -> str:
+    """Create ``repo_id`` and upload ``folder`` in one commit; refuses to overwrite an existing repo without force."""
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        user = api.whoami()
+    except Exception as err:  # no token, a bad token, or an unreachable endpoint all end here, before any upload
+        raise PublishError(
+            f"cannot reach the Hub as an authenticated user ({type(err).__name__}: {err}). "
+            "Log in with `hf auth login` or set HF_TOKEN, and check the network / HF_ENDPOINT."
+        ) from err
+    try:
+        exists = api.repo_exists(repo_id)
+    except Exception as err:
+        raise PublishError(f"cannot check whether {repo_id} exists: {err}") from err
+    if exists and not force:
+        raise PublishError(f"{repo_id} already exists on the Hub; pass --force to upload a new commit over it")
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=force)
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), commit_message=f"Upload D3D drafter ({user.get('name', '?')})"
+        )
+    except Exception as err:
+        raise PublishError(f"upload to {repo_id} failed; no commit with the drafter was made: {err}") from err
+    return str(getattr(info, "commit_url", info))

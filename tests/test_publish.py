@@ -1,0 +1,78 @@
+"""Publishing: the card renders with valid Hub metadata, dry-run writes exactly the Hub files, failures are clear."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from huggingface_hub import ModelCard
+
+from conftest import make_drafter, tiny_target
+from hf_d3d.cli import main
+from hf_d3d.publish import METRICS, PublishError, assemble, publish
+
+EXPECTED = {
+    "README.md",
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "configuration_d3d.py",
+    "modeling_d3d.py",
+    "attention_d3d.py",
+    "generation_d3d.py",
+    METRICS,
+}
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    drafter = make_drafter(tiny_target("qwen3"), block_size=4)
+    drafter.save_pretrained(tmp_path / "ckpt")
+    metrics = {
+        "base_model": "Qwen/Qwen3-0.6B",
+        "datasets": ["openai/gsm8k"],
+        "rows": [{"dataset": "gsm8k:test", "tau": 1.23, "command": "hf-d3d eval-tau --drafter ckpt"}],
+    }
+    (tmp_path / "ckpt" / METRICS).write_text(json.dumps(metrics))
+    return tmp_path / "ckpt"
+
+
+def test_card_metadata_is_valid(checkpoint, tmp_path):
+    folder = assemble(checkpoint, tmp_path / "hub", "someone/tiny-d3d")
+    card = ModelCard.load(folder / "README.md")
+    data = card.data.to_dict()
+    assert data["base_model"] == "Qwen/Qwen3-0.6B"
+    assert data["library_name"] == "transformers" and data["pipeline_tag"] == "text-generation"
+    assert "speculative-decoding" in data["tags"] and data["license"] == "apache-2.0"
+    assert data["datasets"] == ["openai/gsm8k"]
+    assert "| gsm8k:test | 1.23 |" in card.text and "hf-d3d eval-tau --drafter ckpt" in card.text
+    assert "someone/tiny-d3d" in card.text
+
+
+def test_dry_run_writes_exactly_the_hub_files(checkpoint, tmp_path):
+    assert (
+        main(["publish", str(checkpoint), "--repo-id", "someone/x", "--folder", str(tmp_path / "hub"), "--dry-run"])
+        == 0
+    )
+    assert {p.name for p in (tmp_path / "hub").iterdir()} == EXPECTED
+
+
+def test_card_without_metrics_is_refused(checkpoint, tmp_path):
+    (checkpoint / METRICS).unlink()
+    with pytest.raises(PublishError, match="no card without numbers"):
+        assemble(checkpoint, tmp_path / "hub", "someone/x")
+    assert not (tmp_path / "hub").exists()
+    (checkpoint / METRICS).write_text(json.dumps({"rows": [{"dataset": "x"}]}))
+    with pytest.raises(PublishError, match="tau"):
+        assemble(checkpoint, tmp_path / "hub", "someone/x")
+
+
+def test_publish_without_token_or_network_fails_clearly(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored login
+    folder = assemble(checkpoint, tmp_path / "hub", "someone/x")
+    with pytest.raises(PublishError, match="hf auth login"):
+        publish(folder, "someone/x", endpoint="http://127.0.0.1:9")
+    with pytest.raises(PublishError, match="cannot reach the Hub"):
+        publish(folder, "someone/x", token="hf_not_a_real_token", endpoint="http://127.0.0.1:9")
+    assert main(["publish", str(checkpoint), "--repo-id", "someone/x", "--folder", str(tmp_path / "hub2")]) == 2
