@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/hf-d3d demo
 
 lint: setup
 	$(PY) -m ruff check .
