@@ -7,6 +7,8 @@ Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.generation import (
@@ -57,11 +59,14 @@ def speculative_generate(
     async_drafting: bool | None = None,
     logits_processor: LogitsProcessorList | None = None,
     generator: torch.Generator | None = None,
+    on_round: Callable[[list[int], int, list[int]], None] | None = None,
+    stopping_criteria=None,
 ) -> torch.LongTensor:
     """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
 
     ``eos_token_id`` defaults to the target's generation config; pass ``None`` to ignore EOS. Statistics of the
-    call (every round counted) are in ``drafter.last_stats``.
+    call (every round counted) are in ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called
+    after each verification (the Space uses it to colour accepted and rejected draft tokens).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
@@ -97,16 +102,25 @@ def speculative_generate(
             n, nxt = verify_greedy(draft, logits)
         new = draft[:n].tolist() + [nxt]
         new = new[: limit - seq.shape[1]]
+        stop = False
         for i, tok in enumerate(new):
             if tok in eos:
-                new = new[: i + 1]
+                new, stop = new[: i + 1], True
                 break
+        if stopping_criteria is not None:  # e.g. stop strings: checked after every committed token, as generate does
+            for i in range(len(new)):
+                grown = torch.cat([seq, torch.tensor([new[: i + 1]], device=device)], dim=1)
+                if bool(stopping_criteria(grown, None).any()):
+                    new, stop = new[: i + 1], True
+                    break
         gen.record_outcome(min(n, len(new)), len(new))
+        if on_round is not None:
+            on_round(draft.tolist(), min(n, len(new)), new)
         seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
         cache.crop(-(cache.get_seq_length() - (seq.shape[1] - 1)))
         if streamer is not None:
             streamer.put(torch.tensor(new))
-        if new[-1] in eos:
+        if stop:
             break
     if streamer is not None:
         streamer.end()
@@ -127,6 +141,8 @@ def d3d_generate(
         raise ValueError("custom_generate=d3d_generate needs drafter=<a D3D drafter>")
     if generation_config.num_beams not in (None, 1):
         raise ValueError("D3D speculative decoding does not support beam search")
+    if generation_config.return_dict_in_generate:
+        raise ValueError("custom_generate=d3d_generate returns token ids only; use return_dict_in_generate=False")
     return speculative_generate(
         model,
         drafter,
@@ -136,4 +152,5 @@ def d3d_generate(
         eos_token_id=generation_config.eos_token_id,
         attention_mask=model_kwargs.get("attention_mask"),
         logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
     )

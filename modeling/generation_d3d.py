@@ -167,9 +167,10 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._last_draft, self._last_len = draft, input_ids.shape[1]
         self.stats.rounds += 1
         self.stats.drafted_tokens += k
-        self.stats.critical_draft_seconds += time.perf_counter() - start
         if self.async_drafting:
             self._launch_packed(input_ids, draft, logits)
+        # host time before the target can verify; on CPU the packed pass runs in line and so is included
+        self.stats.critical_draft_seconds += time.perf_counter() - start
         return torch.cat([input_ids, draft], dim=1), scores
 
     def record_outcome(self, accepted: int, committed: int) -> None:
@@ -215,9 +216,17 @@ class D3DCandidateGenerator(CandidateGenerator):
         context = torch.cat([input_ids[:, past:], draft], dim=1)
         ids, layout = pack_blocks(context, past, anchors, self.block_size, self._fill_id, prefixes)
         slot_index = layout.is_slot[0].nonzero().squeeze(1)
-        main = torch.cuda.current_stream() if self._side_stream is not None else None
         if self._side_stream is not None:
-            self._side_stream.wait_stream(main)  # the draft tokens come from the main stream
+            device = ids.device
+            self._side_stream.wait_stream(torch.cuda.current_stream(device))  # draft tokens come from the main stream
+            # Tensors made on the main stream and read (or freed, like the cache tensors that update() replaces)
+            # by the side stream must not be handed back to the main stream's allocator before the pass is done.
+            inputs = [ids, slot_index, layout.position_ids, layout.block_ids, layout.is_slot, layout.anchors]
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None:
+                    inputs += [layer.keys, layer.values]
+            for t in inputs:
+                t.record_stream(self._side_stream)
             with torch.cuda.stream(self._side_stream):
                 out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slot_index).logits
                 event = torch.cuda.Event()
@@ -234,13 +243,16 @@ class D3DCandidateGenerator(CandidateGenerator):
         if pending is None:
             return None
         if pending.event is not None:
-            torch.cuda.current_stream().wait_event(pending.event)
+            torch.cuda.current_stream(input_ids.device).wait_event(pending.event)
         new = input_ids[0, pending.committed_len :].tolist()
         accepted = len(new) - 1
+        common = 0  # committed tokens that extend the draft the packed pass assumed
+        while common < min(len(new), len(pending.draft)) and new[common] == pending.draft[common]:
+            common += 1
         # The packed pass cached the whole draft; keep only what was committed (transformers may have cropped more).
-        keep = min(self.cache.get_seq_length(), pending.committed_len + max(accepted, 0))
+        keep = min(self.cache.get_seq_length(), pending.committed_len + common)
         self.cache.crop(-(self.cache.get_seq_length() - keep))
-        if accepted < 0 or new[:accepted] != pending.draft[:accepted]:
+        if accepted < 0 or common < accepted:
             self.stats.misses += 1
             return None
         correction = new[-1]

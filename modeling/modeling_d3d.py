@@ -186,7 +186,9 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             # transformers' assisted loop asks the assistant for `num_assistant_tokens` tokens per round.
             self.generation_config.num_assistant_tokens = config.block_size
             self.generation_config.num_assistant_tokens_schedule = "constant"
-            self.generation_config.assistant_confidence_threshold = None
+            # 0 rather than None: transformers replaces None with its default (0.4), which turns on a per-round
+            # confidence fit that D3D does not use and that costs a host sync
+            self.generation_config.assistant_confidence_threshold = 0.0
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -311,6 +313,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             **config_overrides,
         )
         drafter = cls(config).to(dtype=target.dtype)
+        rotary = drafter.model.rotary
+        rotary.inv_freq = rotary.compute_inv_freq()[0]  # rotary frequencies stay fp32 whatever the weight dtype
         source = target.get_decoder() if hasattr(target, "get_decoder") else target.model
         drafter.model.embed_tokens.load_state_dict(source.embed_tokens.state_dict())
         drafter.model.norm.load_state_dict(source.norm.state_dict())

@@ -146,7 +146,9 @@ def train(
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps)
     for _ in range(step):
         scheduler.step()
-    model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    # The scheduler stays outside prepare(): accelerate would step it once per process, but max_steps counts
+    # optimizer steps, so it is stepped here once per synced optimizer step on every process alike.
+    model, optimizer = accelerator.prepare(drafter, optimizer)
 
     pad_id = dcfg.pad_token_id if dcfg.pad_token_id is not None else 0
     fill_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else 0
@@ -177,7 +179,8 @@ def train(
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, 1.0)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad()
         step += 1
         metrics["step"], metrics["lr"] = step, scheduler.get_last_lr()[0]

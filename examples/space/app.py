@@ -1,0 +1,129 @@
+"""Gradio Space: plain decoding vs D3D side by side, with live tokens/s and draft tokens coloured by outcome.
+
+Environment: D3D_TARGET (Hub id or folder; default the embedded SmolLM2-135M-Instruct) and D3D_DRAFTER (Hub id or
+folder; default the drafter committed in this repo). On a Space, set both to Hub ids.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import threading
+import time
+
+import gradio as gr
+import torch
+from transformers import TextIteratorStreamer
+
+from hf_d3d import check_pair, speculative_generate
+from hf_d3d.demo import DEFAULT_PROMPT, MAX_NEW_TOKENS_LIMIT, validate_request
+from hf_d3d.targets import load_drafter, load_target
+
+TARGET, TOKENIZER = load_target(os.environ.get("D3D_TARGET"))
+DRAFTER = load_drafter(os.environ.get("D3D_DRAFTER"))
+check_pair(TARGET, DRAFTER, TOKENIZER)
+CONTEXT = getattr(TARGET.config, "max_position_embeddings", 1 << 30)
+
+
+def _span(text: str, cls: str) -> str:
+    return f'<span class="{cls}">{html.escape(text)}</span>'
+
+
+def _stats(plain_tps, d3d_tps, tau, identical) -> str:
+    speed = f"{d3d_tps / plain_tps:.2f}x" if plain_tps and d3d_tps else "-"
+    same = "-" if identical is None else ("yes" if identical else "NO")
+    return (
+        f"**plain** {plain_tps or 0:.1f} tok/s &nbsp; **D3D** {d3d_tps or 0:.1f} tok/s &nbsp; "
+        f"**speedup** {speed} &nbsp; **tau** {tau or 0:.2f} &nbsp; **identical**: {same}"
+    )
+
+
+def run(prompt: str, max_new_tokens: float):
+    """Stream plain decoding, then D3D decoding of the same prompt; yields (plain, d3d_html, stats)."""
+    try:
+        ids = validate_request(prompt, int(max_new_tokens or 0), TOKENIZER, CONTEXT)
+    except (ValueError, TypeError) as err:
+        yield "", "", f"**Input error:** {html.escape(str(err))}"
+        return
+    x = torch.tensor([ids])
+    max_new = int(max_new_tokens)
+
+    # plain greedy generate, streamed from a worker thread
+    streamer = TextIteratorStreamer(TOKENIZER, skip_prompt=True, skip_special_tokens=True)
+    result = {}
+
+    def plain_job():
+        result["plain"] = TARGET.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=TOKENIZER.pad_token_id,
+        )
+
+    start = time.perf_counter()
+    worker = threading.Thread(target=plain_job)
+    worker.start()
+    text = ""
+    for piece in streamer:
+        text += piece
+        yield text, "", _stats(None, None, None, None)
+    worker.join()
+    plain_seconds = time.perf_counter() - start
+    plain_new = result["plain"].shape[1] - x.shape[1]
+    plain_tps = plain_new / plain_seconds
+
+    # D3D fast loop; each round reports its draft, how much was accepted and what was committed
+    pieces: list[str] = []
+    rounds = {"n": 0}
+
+    def on_round(draft, accepted, committed):
+        rounds["n"] += 1
+        for tok in committed[:accepted]:
+            pieces.append(_span(TOKENIZER.decode([tok]), "acc"))
+        pieces.append(_span(TOKENIZER.decode([committed[-1]]), "tgt"))
+        if accepted < len(draft):
+            pieces.append(_span(TOKENIZER.decode(draft[accepted:]), "rej"))
+
+    start = time.perf_counter()
+    out = speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new, on_round=on_round)
+    d3d_seconds = time.perf_counter() - start
+    d3d_new = out.shape[1] - x.shape[1]
+    identical = bool(torch.equal(out, result["plain"]))
+    tau = d3d_new / max(rounds["n"], 1)
+    yield text, "".join(pieces), _stats(plain_tps, d3d_new / d3d_seconds, tau, identical)
+
+
+CSS = """
+.acc { background: #c8f7c5; } .tgt { background: #d6e4ff; }
+.rej { color: #c0392b; text-decoration: line-through; opacity: 0.7; }
+#d3d { white-space: pre-wrap; font-family: monospace; }
+"""
+
+
+def build() -> gr.Blocks:
+    with gr.Blocks(title="D3D speculative decoding", css=CSS) as demo:
+        gr.Markdown(
+            "# D3D: lossless speculative decoding\nThe same greedy answer, decoded plainly and with a D3D drafter. "
+            "Green: draft tokens the target accepted; blue: the target's own token each round; "
+            "red, struck through: rejected drafts (never part of the output)."
+        )
+        with gr.Row():
+            prompt = gr.Textbox(value=DEFAULT_PROMPT, label="Prompt", lines=3, elem_id="prompt")
+            max_new = gr.Number(
+                value=96, label=f"max_new_tokens (1-{MAX_NEW_TOKENS_LIMIT})", precision=0, elem_id="max_new"
+            )
+        button = gr.Button("Generate", variant="primary", elem_id="go")
+        stats = gr.Markdown(elem_id="stats")
+        with gr.Row():
+            plain = gr.Textbox(label="plain generate", lines=12, elem_id="plain")
+            d3d = gr.HTML(label="D3D", elem_id="d3d")
+        button.click(run, [prompt, max_new], [plain, d3d, stats])
+    return demo
+
+
+if __name__ == "__main__":
+    build().queue().launch(
+        server_name=os.environ.get("HOST", "127.0.0.1"), server_port=int(os.environ.get("PORT", 7860))
+    )
