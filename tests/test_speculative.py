@@ -135,3 +135,19 @@ def test_fast_loop_sampling_matches_target_distribution():
         a, b = out[0, 3:5].tolist()
         counts[a * 12 + b] += 1
     assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+def test_custom_generate_honours_stopping_criteria():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 9, dtype=torch.bool)
+
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 8)]
+    x = torch.tensor([[9, 10, 11, 12]])
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=20, eos_token_id=None, do_sample=False)
+    crit = StoppingCriteriaList([StopAtLength()])
+    ref = target.generate(x, stopping_criteria=crit, **kw)
+    out = target.generate(x, stopping_criteria=crit, custom_generate=d3d_generate, drafter=drafter, **kw)
+    assert ref.shape[1] == 9 and torch.equal(out, ref)

@@ -25,16 +25,22 @@ check_pair(TARGET, DRAFTER, TOKENIZER)
 CONTEXT = getattr(TARGET.config, "max_position_embeddings", 1 << 30)
 
 
+STYLES = {  # inline, because Gradio's HTML output does not see page CSS classes
+    "acc": "background:#c8f7c5",
+    "tgt": "background:#d6e4ff",
+    "rej": "color:#c0392b;text-decoration:line-through;opacity:0.7",
+}
+
+
 def _span(text: str, cls: str) -> str:
-    return f'<span class="{cls}">{html.escape(text)}</span>'
+    return f'<span class="{cls}" style="{STYLES[cls]}">{html.escape(text)}</span>'
 
 
-def _stats(plain_tps, d3d_tps, tau, identical) -> str:
-    speed = f"{d3d_tps / plain_tps:.2f}x" if plain_tps and d3d_tps else "-"
-    same = "-" if identical is None else ("yes" if identical else "NO")
+def _stats(plain_tps: float, d3d_tps: float, tau: float, identical: bool) -> str:
     return (
-        f"**plain** {plain_tps or 0:.1f} tok/s &nbsp; **D3D** {d3d_tps or 0:.1f} tok/s &nbsp; "
-        f"**speedup** {speed} &nbsp; **tau** {tau or 0:.2f} &nbsp; **identical**: {same}"
+        f"**plain** {plain_tps:.1f} tok/s &nbsp; **D3D** {d3d_tps:.1f} tok/s &nbsp; "
+        f"**speedup** {d3d_tps / plain_tps:.2f}x &nbsp; **tau** {tau:.2f} &nbsp; "
+        f"**identical**: {'yes' if identical else 'NO'}"
     )
 
 
@@ -68,7 +74,7 @@ def run(prompt: str, max_new_tokens: float):
     text = ""
     for piece in streamer:
         text += piece
-        yield text, "", _stats(None, None, None, None)
+        yield text, "", "*plain decoding ...*"
     worker.join()
     plain_seconds = time.perf_counter() - start
     plain_new = result["plain"].shape[1] - x.shape[1]
@@ -92,18 +98,13 @@ def run(prompt: str, max_new_tokens: float):
     d3d_new = out.shape[1] - x.shape[1]
     identical = bool(torch.equal(out, result["plain"]))
     tau = d3d_new / max(rounds["n"], 1)
-    yield text, "".join(pieces), _stats(plain_tps, d3d_new / d3d_seconds, tau, identical)
-
-
-CSS = """
-.acc { background: #c8f7c5; } .tgt { background: #d6e4ff; }
-.rej { color: #c0392b; text-decoration: line-through; opacity: 0.7; }
-#d3d { white-space: pre-wrap; font-family: monospace; }
-"""
+    body = "".join(pieces)
+    d3d_html = f'<div style="white-space:pre-wrap;word-break:break-word;font-family:monospace">{body}</div>'
+    yield text, d3d_html, _stats(plain_tps, d3d_new / d3d_seconds, tau, identical)
 
 
 def build() -> gr.Blocks:
-    with gr.Blocks(title="D3D speculative decoding", css=CSS) as demo:
+    with gr.Blocks(title="D3D speculative decoding") as demo:
         gr.Markdown(
             "# D3D: lossless speculative decoding\nThe same greedy answer, decoded plainly and with a D3D drafter. "
             "Green: draft tokens the target accepted; blue: the target's own token each round; "
