@@ -95,13 +95,18 @@ def load_target(
     return model, tokenizer
 
 
-def load_drafter(name_or_path: str | None = None, device: str | torch.device | None = None) -> PreTrainedModel:
-    """Load a D3D drafter (local folder or Hub id); ``None`` means the committed SmolLM2 drafter."""
+def load_drafter(
+    name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+) -> PreTrainedModel:
+    """Load a D3D drafter (local folder or Hub id); ``None`` means the committed SmolLM2 drafter.
+
+    Checkpoints are stored in bf16 to stay small; on CPU fp32 (the default here) is the faster compute type.
+    """
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 
     path = name_or_path or DEFAULT_DRAFTER
     try:
-        drafter = D3DDrafterModel.from_pretrained(path)
+        drafter = D3DDrafterModel.from_pretrained(path, dtype=dtype)
     except OSError as err:
         raise OSError(
             f"Cannot load drafter {path!r}: not a local folder and the Hub is not reachable (offline or unknown id). "
