@@ -11,7 +11,7 @@ drafter_path = "checkpoints/SmolLM2-135M-Instruct-D3D"
 
 tokenizer = AutoTokenizer.from_pretrained(target_path)
 target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
-drafter = AutoModelForCausalLM.from_pretrained(drafter_path, trust_remote_code=True)
+drafter = AutoModelForCausalLM.from_pretrained(drafter_path, trust_remote_code=True, dtype=torch.float32)
 question = "Natalia sold clips to 48 friends in April and half as many in May. How many clips did she sell in all?"
 messages = [{"role": "user", "content": question}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
