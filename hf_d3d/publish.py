@@ -46,6 +46,8 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
     table = ["| prompts | tau | speedup | command |", "|---|---|---|---|"]
     for r in metrics["rows"]:
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "not measured"
+        if r.get("speedup_command"):
+            speed += f" (`{r['speedup_command']}`)"
         table.append(f"| {r['dataset']} | {r['tau']:.2f} | {speed} | `{r['command']}` |")
     prune = checkpoint / "prune_report.json"
     if prune.is_file():
