@@ -40,3 +40,27 @@ def test_committed_drafter_is_lossless_and_accepts(pair):
         new += out.shape[1] - x.shape[1]
         forwards += calls["n"]
     assert new / forwards > 1.25  # a trained drafter: clearly above the ~1.0 of an untrained one
+
+
+def test_demo_command_runs_and_reports(capsys):
+    from hf_d3d.cli import main
+
+    assert main(["demo", "--max-new-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical: yes" in out and "speedup" in out and "tau" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--max-new-tokens", "0"], "positive integer"),
+        (["--max-new-tokens", "99999"], "too large"),
+    ],
+)
+def test_demo_command_bad_input_is_a_message_not_a_traceback(capsys, args, message):
+    from hf_d3d.cli import main
+
+    assert main(["demo", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -1,0 +1,59 @@
+"""Bad input to the prompt readers and the demo: clear messages, before any model work."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from test_training import ToyTokenizer
+
+from hf_d3d.demo import MAX_NEW_TOKENS_LIMIT, validate_request
+from hf_d3d.prompts import load_prompts, read_jsonl_field
+
+
+def test_prompts_file_missing_the_field(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"question": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
+    with pytest.raises(KeyError, match=r"p.jsonl:2: record has no field 'question'"):
+        read_jsonl_field(path, "question")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    path.write_text('{"question": ""}\n')
+    with pytest.raises(ValueError, match="empty"):
+        read_jsonl_field(path, "question")
+    path.write_text("{not json\n")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        read_jsonl_field(path, "question")
+
+
+def test_gzipped_jsonl_and_limit(tmp_path):
+    path = tmp_path / "p.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for i in range(5):
+            f.write(json.dumps({"prompt": f"q{i}"}) + "\n")
+    assert read_jsonl_field(path, "prompt", limit=3) == ["q0", "q1", "q2"]
+
+
+def test_gsm8k_prompts_come_from_shared_data():
+    prompts = load_prompts("gsm8k:test", limit=2)
+    assert len(prompts) == 2 and all(isinstance(p, str) and p for p in prompts)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_new", "message"),
+    [
+        ("", 8, "empty"),
+        ("   ", 8, "empty"),
+        ("5 6 7", 0, "positive integer"),
+        ("5 6 7", MAX_NEW_TOKENS_LIMIT + 1, "too large"),
+        (" ".join(["5"] * 600), 8, "exceeds the model's context"),
+    ],
+)
+def test_demo_request_validation(prompt, max_new, message):
+    with pytest.raises(ValueError, match=message):
+        validate_request(prompt, max_new, ToyTokenizer(), context=512)
+
+
+def test_demo_request_accepts_a_normal_prompt():
+    assert validate_request("5 6 7", 16, ToyTokenizer(), context=512) == [5, 6, 7]
