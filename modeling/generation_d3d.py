@@ -1,8 +1,9 @@
 """Drafting with a D3D drafter: the candidate generator behind ``target.generate(assistant_model=drafter)``.
 
 transformers' assisted loop calls ``drafter.generate`` once per round and hands back whatever came out as
-``past_key_values`` (``cache`` from transformers 5.24). We return a :class:`D3DCandidateGenerator` there, so the drafter state (its KV cache over
-committed tokens, its statistics) lives exactly as long as one ``target.generate`` call and needs no global patch.
+``past_key_values`` (``cache`` from transformers 5.24). We return a :class:`D3DCandidateGenerator` there, so the
+drafter state (its KV cache over committed tokens, its statistics) lives exactly as long as one
+``target.generate`` call and needs no global patch.
 """
 
 from __future__ import annotations
