@@ -102,3 +102,13 @@ def test_pickle_weights_are_never_loaded(saved):
         D3DDrafterModel.from_pretrained(folder)
     with pytest.raises(ValueError, match="safetensors"):
         D3DDrafterModel.from_pretrained(folder, use_safetensors=False)
+
+
+def test_committed_checkpoint_ships_the_current_remote_code():
+    """The committed drafter's trust_remote_code files must be today's modeling/ files, not a stale copy."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in REMOTE_FILES:
+        shipped = root / "checkpoints" / "SmolLM2-135M-Instruct-D3D" / name
+        assert shipped.read_text() == (root / "modeling" / name).read_text(), name

@@ -1,8 +1,9 @@
 """Drafting with a D3D drafter: the candidate generator behind ``target.generate(assistant_model=drafter)``.
 
 transformers' assisted loop calls ``drafter.generate`` once per round and hands back whatever came out as
-``past_key_values``. We return a :class:`D3DCandidateGenerator` there, so the drafter state (its KV cache over
-committed tokens, its statistics) lives exactly as long as one ``target.generate`` call and needs no global patch.
+``past_key_values`` (``cache`` from transformers 5.24). We return a :class:`D3DCandidateGenerator` there, so the
+drafter state (its KV cache over committed tokens, its statistics) lives exactly as long as one
+``target.generate`` call and needs no global patch.
 """
 
 from __future__ import annotations
@@ -297,9 +298,11 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     if mask is not None and not bool(mask.all()):
         raise ValueError("D3D assisted generation does not support padded inputs (attention_mask with zeros)")
     config = kwargs["generation_config"]
-    generator = kwargs.get("past_key_values")
+    # transformers <= 5.23 hands the assistant's state back as `past_key_values`, 5.24 renamed it `cache`
+    generator = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(generator, D3DCandidateGenerator):
         generator = D3DCandidateGenerator(drafter, kwargs.get("logits_processor"), do_sample=bool(config.do_sample))
         drafter.last_stats = generator.stats
     sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores.unbind(1)), past_key_values=generator)
+    state_field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores.unbind(1)), **{state_field: generator})
