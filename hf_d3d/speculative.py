@@ -1,7 +1,8 @@
 """The opt-in fast loop: D3D speculative decoding that owns the whole decode (batch size 1).
 
 Same tokens as ``target.generate``; less per-round work than transformers' general assisted loop (no candidate
-generator plumbing, no per-round kwargs copies, one host sync per round to read the acceptance length).
+generator plumbing, no per-round kwargs copies). The host reads the device only after each verify forward, to
+learn the acceptance length; with async drafting, choosing hypotheses reads the draft's confidences too.
 Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``.
 """
 
