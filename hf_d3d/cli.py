@@ -189,6 +189,15 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     )
 
 
+def _cmd_draft_vocab(args: argparse.Namespace) -> None:
+    from hf_d3d.draft_vocab import write_with_draft_vocab
+    from hf_d3d.train.distill import load_records
+
+    coverage = write_with_draft_vocab(args.drafter, load_records(args.data), args.size, args.out)
+    print(f"drafter with a {args.size}-token draft vocabulary written to {args.out}")
+    print(f"it covers {coverage:.2%} of the response tokens in {args.data}")
+
+
 def _cmd_publish(args: argparse.Namespace) -> None:
     from hf_d3d.publish import assemble, publish
 
@@ -285,6 +294,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-depth", type=int, default=None)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_prune)
+
+    p = sub.add_parser(
+        "draft-vocab", help="copy a drafter so it proposes only the most frequent tokens (cheaper LM head; lossless)"
+    )
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--data", required=True, help="a finished `hf-d3d distill` folder to count tokens in")
+    p.add_argument("--size", type=int, default=8192)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_draft_vocab)
 
     p = sub.add_parser("publish", help="assemble a Hub folder (card included) and upload it with huggingface_hub")
     p.add_argument("checkpoint")

@@ -18,6 +18,9 @@ class D3DConfig(PreTrainedConfig):
         async_drafting: draft the next block for likely verification outcomes while the target verifies;
             ``None`` means on where it helps (CUDA) and off elsewhere.
         num_hypotheses: how many (acceptance length, correction token) outcomes one packed pass drafts for.
+        draft_vocab_size: if set, the drafter proposes only this many tokens (the ``draft_vocab`` buffer, chosen
+            by frequency in the training data) and computes its LM head over them alone at inference; on a small
+            target the full head is most of a draft's cost. Verification still uses the target's full vocabulary.
     """
 
     model_type = "d3d_drafter"
@@ -50,6 +53,7 @@ class D3DConfig(PreTrainedConfig):
     tokenizer_fingerprint: str | None = None
     async_drafting: bool | None = None
     num_hypotheses: int = 4
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -72,6 +76,8 @@ class D3DConfig(PreTrainedConfig):
             )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
         if self.num_hypotheses < 1:
             raise ValueError(f"num_hypotheses must be >= 1, got {self.num_hypotheses}")
 

@@ -174,6 +174,9 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = D3DBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.draft_vocab_size is not None:
+            self.draft_vocab = nn.Buffer(torch.arange(config.draft_vocab_size))  # saved with the weights
+        self._draft_head: tuple[tuple, torch.Tensor] | None = None  # (key of lm_head.weight's state, its rows)
         self.last_stats = None  # D3DStats of the most recent drafting session (set by the candidate generator)
         self.post_init()
         # Both Auto classes resolve to the drafter in a saved folder (save_pretrained copies these files there).
@@ -232,7 +235,35 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             hidden = hidden[logits_to_keep]
         else:
             hidden = hidden[:, logits_to_keep]
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=past_key_values)
+        return CausalLMOutputWithPast(logits=self._logits(hidden), past_key_values=past_key_values)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``."""
+        if self.training or self.config.draft_vocab_size is None:
+            return self.lm_head(hidden)  # training learns the full distribution
+        weight = self.lm_head.weight
+        # The gathered rows are reused until the head changes (another device, dtype or an in-place update).
+        key = (weight.data_ptr(), weight._version, weight.dtype, self.draft_vocab.data_ptr())
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, weight.detach().index_select(0, self.draft_vocab))
+        sub = F.linear(hidden, self._draft_head[1])
+        full = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(full.dim() - 1, self.draft_vocab, sub)
+
+    def set_draft_vocab(self, token_ids: list[int] | torch.Tensor | None) -> None:
+        """Restrict proposals to ``token_ids`` (deduplicated, sorted; ``None`` lifts the restriction)."""
+        if token_ids is None:
+            self.config.draft_vocab_size = None
+            if hasattr(self, "draft_vocab"):
+                del self.draft_vocab
+            self._draft_head = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique()
+        if len(ids) == 0 or ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary must be a non-empty set of ids in [0, {self.config.vocab_size})")
+        self.config.draft_vocab_size = len(ids)
+        self.draft_vocab = nn.Buffer(ids.to(self.lm_head.weight.device))
+        self._draft_head = None
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

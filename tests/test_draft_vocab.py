@@ -1,0 +1,167 @@
+"""A draft vocabulary makes the drafter's head cheaper and changes nothing about the output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from test_sampling import _target_joint, chi_square_pvalue
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
+
+from conftest import EOS, VOCAB, make_drafter, tiny_target
+from hf_d3d import D3DDrafterModel, speculative_generate
+from hf_d3d.draft_vocab import frequent_tokens, write_with_draft_vocab
+from hf_d3d.evaluate import count_forwards
+from hf_d3d.modeling.attention_d3d import pack_blocks
+
+TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
+VOCAB_IDS = list(range(0, VOCAB, 3)) + [EOS]  # a third of the vocabulary
+
+
+def restricted(target, block_size=4):
+    drafter = make_drafter(target, block_size=block_size)
+    drafter.set_draft_vocab(VOCAB_IDS)
+    return drafter
+
+
+def test_logits_are_the_full_heads_on_the_draft_vocab_and_minus_inf_elsewhere():
+    target = TARGETS["qwen3"]
+    full, small = make_drafter(target), restricted(target)
+    ids, layout = pack_blocks(torch.tensor([[5, 9, 17, 33]]), 0, [3, 1], 4, 0)
+    with torch.no_grad():
+        want = full(ids, layout=layout, use_cache=False).logits
+        got = small(ids, layout=layout, use_cache=False).logits
+    inside = torch.zeros(VOCAB, dtype=torch.bool)
+    inside[VOCAB_IDS] = True
+    torch.testing.assert_close(got[..., inside], want[..., inside])
+    assert torch.isneginf(got[..., ~inside]).all()
+    small.train()  # training sees the full head, so the loss still covers the whole vocabulary
+    with torch.no_grad():
+        torch.testing.assert_close(small(ids, layout=layout, use_cache=False).logits, want)
+
+
+def test_gathered_head_follows_in_place_updates_of_the_lm_head():
+    drafter = restricted(TARGETS["qwen3"])
+    x = torch.tensor([[5, 9, 17]])
+    with torch.no_grad():
+        before = drafter(x, use_cache=False).logits
+        drafter.lm_head.weight.mul_(2.0)  # what an optimizer step does: same storage, new version
+        after = drafter(x, use_cache=False).logits
+    inside = torch.tensor(sorted(set(VOCAB_IDS)))
+    torch.testing.assert_close(after[..., inside], 2 * before[..., inside])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["llama", "qwen3"]),
+    block=st.sampled_from([1, 4, 8]),
+    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=20),
+    max_new=st.integers(1, 30),
+    async_drafting=st.booleans(),
+)
+def test_greedy_is_lossless_and_drafts_stay_in_the_draft_vocab(family, block, prompt, max_new, async_drafting):
+    target = TARGETS[family]
+    drafter = restricted(target, block)
+    x = torch.tensor([prompt])
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new)
+    out = target.generate(
+        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, assistant_model=drafter
+    )
+    assert torch.equal(ref, out)
+    drafted: list[int] = []
+    fast = speculative_generate(
+        target,
+        drafter,
+        x,
+        max_new_tokens=max_new,
+        async_drafting=async_drafting,
+        on_round=lambda draft, a, new: drafted.extend(draft),
+    )
+    assert torch.equal(ref, fast)
+    assert set(drafted) <= set(VOCAB_IDS)
+
+
+def test_sampling_is_lossless_when_the_target_favours_tokens_the_drafter_cannot_propose():
+    target = tiny_target("qwen3", vocab=12, seed=5)
+    drafter = make_drafter(target, block_size=2)
+    drafter.set_draft_vocab([0, 2, 4, 6, 8, 10])
+    x = torch.tensor([[4, 7, 9]])
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)])
+    with torch.no_grad():
+        joint = _target_joint(target, x, processors)
+    assert joint.reshape(12, 12)[1::2].sum() > 0.2  # much of p lies where q is zero
+    kw = dict(do_sample=True, temperature=0.5, top_k=0, top_p=1.0, max_new_tokens=2, eos_token_id=None)
+    torch.manual_seed(4321)
+    counts = torch.zeros(12 * 12)
+    accepted_any = 0
+    for _ in range(2500):
+        with count_forwards(target) as calls:
+            out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
+        a, b = out[0, 3:5].tolist()
+        counts[a * 12 + b] += 1
+        accepted_any += calls["n"] == 1
+    assert accepted_any > 100
+    assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+def test_draft_vocab_survives_save_and_strict_load(tmp_path):
+    target = TARGETS["llama"]
+    drafter = restricted(target)
+    drafter.save_pretrained(tmp_path / "d")
+    loaded = D3DDrafterModel.from_pretrained(tmp_path / "d")
+    assert loaded.config.draft_vocab_size == len(set(VOCAB_IDS))
+    assert torch.equal(loaded.draft_vocab, drafter.draft_vocab)
+    x = torch.tensor([[5, 9, 17]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, use_cache=False).logits, drafter(x, use_cache=False).logits)
+
+    weights = load_file(str(tmp_path / "d" / "model.safetensors"))
+    del weights["draft_vocab"]  # config promises a draft vocabulary the weights do not have
+    save_file(weights, str(tmp_path / "d" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="draft_vocab"):
+        D3DDrafterModel.from_pretrained(tmp_path / "d")
+
+
+def test_set_draft_vocab_rejects_bad_ids_and_can_be_lifted():
+    drafter = restricted(TARGETS["llama"])
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        drafter.set_draft_vocab([1, VOCAB])
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        drafter.set_draft_vocab([])
+    drafter.set_draft_vocab(None)
+    assert drafter.config.draft_vocab_size is None and not hasattr(drafter, "draft_vocab")
+    with torch.no_grad():
+        assert torch.isfinite(drafter(torch.tensor([[5, 9]]), use_cache=False).logits).all()
+
+
+def test_frequent_tokens_counts_responses_keeps_eos_and_fills_with_low_ids():
+    records = [
+        {"prompt_ids": [50, 50, 50], "response_ids": [7, 7, 7, 8, 8, 9]},
+        {"prompt_ids": [51], "response_ids": [7, 8, 10]},
+    ]
+    ids, coverage = frequent_tokens(records, 2, always=(EOS,))
+    assert ids == sorted({EOS, 7})  # EOS always, then the most frequent; prompt tokens do not count
+    assert coverage == pytest.approx(4 / 9)
+    ids, coverage = frequent_tokens(records, 7)
+    assert ids == [0, 1, 2, 7, 8, 9, 10] and coverage == 1.0  # data has 4 distinct tokens; the lowest ids fill up
+    with pytest.raises(ValueError):
+        frequent_tokens(records, 0)
+
+
+def test_write_with_draft_vocab_writes_a_complete_folder_and_never_overwrites(tmp_path):
+    drafter = make_drafter(TARGETS["llama"])
+    drafter.save_pretrained(tmp_path / "src")
+    (tmp_path / "src" / "d3d_metrics.json").write_text(json.dumps({"tau": 1.0}))
+    records = [{"prompt_ids": [5], "response_ids": [7, 7, 8, EOS]}]
+    coverage = write_with_draft_vocab(tmp_path / "src", records, 3, tmp_path / "out")
+    assert coverage == 1.0
+    loaded = D3DDrafterModel.from_pretrained(tmp_path / "out")
+    assert loaded.draft_vocab.tolist() == [EOS, 7, 8]
+    assert (tmp_path / "out" / "d3d_metrics.json").is_file()
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
+    with pytest.raises(FileExistsError):
+        write_with_draft_vocab(tmp_path / "src", records, 3, tmp_path / "out")
