@@ -49,14 +49,16 @@ def _cmd_train(args: argparse.Namespace) -> None:
         )
     check_pair(target, drafter, tokenizer)
     steps = args.steps or epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum)
+    autoregressive = args.objective == "ar"  # the benchmark's AR peer: next-token loss on every response token
     cfg = TrainConfig(
         max_steps=steps,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
-        num_blocks=args.num_blocks,
-        ar_weight=args.ar_weight,
+        num_blocks=0 if autoregressive else args.num_blocks,
+        ar_weight=1.0 if autoregressive else args.ar_weight,
+        max_ar_positions=None if autoregressive else TrainConfig.max_ar_positions,
         slot_decay=args.slot_decay,
         freeze_embeddings=not args.train_embeddings,
         mixed_precision=args.mixed_precision,
@@ -65,7 +67,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         seed=args.seed,
     )
     eval_ids = None
-    if args.eval_prompts and args.num_eval_prompts > 0:
+    if args.eval_prompts and args.num_eval_prompts > 0 and not autoregressive:  # D3D tau means nothing for AR
         eval_ids = [
             chat_prompt_ids(tokenizer, p) for p in load_prompts(args.eval_prompts, args.field, args.num_eval_prompts)
         ]
@@ -198,6 +200,12 @@ def _cmd_draft_vocab(args: argparse.Namespace) -> None:
     print(f"it covers {coverage:.2%} of the response tokens in {args.data}")
 
 
+def _cmd_export_ar(args: argparse.Namespace) -> None:
+    from hf_d3d.export_ar import write_autoregressive
+
+    print(f"autoregressive drafter written to {write_autoregressive(args.drafter, args.out)}")
+
+
 def _cmd_publish(args: argparse.Namespace) -> None:
     from hf_d3d.publish import assemble, publish
 
@@ -247,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--ar-weight", type=float, default=0.5)
+    p.add_argument(
+        "--objective",
+        default="d3d",
+        choices=["d3d", "ar"],
+        help="d3d: denoising + auxiliary next-token loss; ar: next-token loss only (then `hf-d3d export-ar`)",
+    )
     p.add_argument("--slot-decay", type=float, default=0.8)
     p.add_argument(
         "--train-embeddings", action="store_true", help="also train embeddings / LM head (frozen by default)"
@@ -303,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_draft_vocab)
+
+    p = sub.add_parser(
+        "export-ar", help="save a drafter as a plain causal LM of the target family (the benchmark's AR peer)"
+    )
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_export_ar)
 
     p = sub.add_parser("publish", help="assemble a Hub folder (card included) and upload it with huggingface_hub")
     p.add_argument("checkpoint")
