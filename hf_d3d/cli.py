@@ -138,11 +138,12 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 def _cmd_eval_tau(args: argparse.Namespace) -> None:
     import json
 
+    from hf_d3d.atomic import write_json_atomic
     from hf_d3d.checks import check_pair
     from hf_d3d.evaluate import measure_tau
     from hf_d3d.prompts import load_prompts
     from hf_d3d.targets import load_drafter, load_target
-    from hf_d3d.train.distill import chat_prompt_ids, write_json_atomic
+    from hf_d3d.train.distill import chat_prompt_ids
 
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)

@@ -11,6 +11,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from hf_d3d.atomic import atomic_folder
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 
 
@@ -45,20 +46,16 @@ def write_with_draft_vocab(drafter_path: str | Path, records: list[dict], size: 
     The copy is built in a temporary folder and renamed into place; an existing ``out`` is never overwritten.
     Returns the coverage of the response tokens in ``records``.
     """
-    out = Path(out)
-    if out.exists():
+    if Path(out).exists():
         raise FileExistsError(f"{out} exists; choose a new folder")
     drafter = D3DDrafterModel.from_pretrained(drafter_path, dtype="auto")
     eos = drafter.config.eos_token_id
     always = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     ids, coverage = frequent_tokens(records, size, always)
     drafter.set_draft_vocab(ids)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    drafter.save_pretrained(tmp)
-    for extra in ("README.md", "d3d_metrics.json", "training_log.json"):  # provenance travels with the weights
-        if (Path(drafter_path) / extra).is_file():
-            shutil.copy2(Path(drafter_path) / extra, tmp / extra)
-    tmp.rename(out)
+    with atomic_folder(out) as tmp:
+        drafter.save_pretrained(tmp)
+        for extra in ("README.md", "d3d_metrics.json", "training_log.json"):  # provenance travels with the weights
+            if (Path(drafter_path) / extra).is_file():
+                shutil.copy2(Path(drafter_path) / extra, tmp / extra)
     return coverage

@@ -7,12 +7,11 @@ made: the same model, the same data, the same training pipeline (``hf-d3d train 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from hf_d3d.atomic import atomic_folder
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 
 _D3D_ONLY = ("model.mask_embedding", "draft_vocab")
@@ -62,15 +61,10 @@ def export_autoregressive(drafter: D3DDrafterModel) -> PreTrainedModel:
 
 def write_autoregressive(drafter_path: str | Path, out: str | Path) -> Path:
     """Export the drafter saved at ``drafter_path`` into a new folder ``out`` (built aside, renamed into place)."""
-    out = Path(out)
-    if out.exists():
+    if Path(out).exists():
         raise FileExistsError(f"{out} exists; choose a new folder")
     drafter = D3DDrafterModel.from_pretrained(drafter_path, dtype="auto")
     model = export_autoregressive(drafter)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    with torch.no_grad():
+    with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return Path(out)

@@ -16,9 +16,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hf_d3d.atomic import write_json_atomic
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-from hf_d3d.train.distill import write_json_atomic
 
 STATE = "prune_state.json"
 REPORT = "prune_report.json"

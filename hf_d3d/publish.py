@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+
+from hf_d3d.atomic import atomic_folder
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "d3d_drafter.md"
 METRICS = "d3d_metrics.json"
@@ -82,19 +83,11 @@ def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:
         raise PublishError(f"{checkpoint} is not a saved D3D drafter: missing {missing}")
     metrics = load_metrics(checkpoint)
     card = render_card(checkpoint, repo_id, metrics)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with atomic_folder(out, overwrite=True) as tmp:
         for name in REQUIRED + OPTIONAL:
             if (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, tmp / name)
         (tmp / "README.md").write_text(card)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from hf_d3d.atomic import atomic_folder
 
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "checkpoints" / "SmolLM2-135M-Instruct-D3D")
@@ -49,18 +49,9 @@ def _embedded_smollm2_dir() -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
-    # Write into a temporary sibling and rename, so an interrupted conversion never looks complete.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=out.parent))
-    try:
+    with atomic_folder(out, overwrite=True) as tmp:  # an interrupted conversion never looks complete
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -78,3 +78,27 @@ def test_bad_block_size_and_layers():
         make_drafter(target, layers=10)
     with pytest.raises(ValueError, match="layer_ids"):
         make_drafter(target, layer_ids=[0, 7])
+
+
+def test_atomic_folder_is_complete_or_absent(tmp_path):
+    from hf_d3d.atomic import atomic_folder
+
+    out = tmp_path / "model"
+    with pytest.raises(RuntimeError):
+        with atomic_folder(out) as tmp:
+            (tmp / "half.safetensors").write_text("x")
+            raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its scratch copy is left
+    with atomic_folder(out) as tmp:
+        (tmp / "a").write_text("old")
+    with pytest.raises(FileExistsError):
+        with atomic_folder(out):
+            pass
+    with pytest.raises(RuntimeError):
+        with atomic_folder(out, overwrite=True) as tmp:
+            (tmp / "b").write_text("new")
+            raise RuntimeError
+    assert [p.name for p in out.iterdir()] == ["a"]  # a failed overwrite keeps the old folder whole
+    with atomic_folder(out, overwrite=True) as tmp:
+        (tmp / "b").write_text("new")
+    assert [p.name for p in out.iterdir()] == ["b"] and [p.name for p in tmp_path.iterdir()] == ["model"]

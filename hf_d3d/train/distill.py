@@ -16,6 +16,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hf_d3d.atomic import write_json_atomic
+
 RECORDS = "records.jsonl"
 META = "meta.json"
 
@@ -27,16 +29,6 @@ class DistillConfig:
     do_sample: bool = False
     temperature: float = 1.0
     seed: int = 0
-
-
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write JSON to a temporary file in the same folder, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
+from hf_d3d.atomic import atomic_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-from hf_d3d.train.distill import write_json_atomic
 from hf_d3d.train.objective import d3d_loss, make_batch
 
 CHECKPOINT = "checkpoint"
@@ -96,21 +95,11 @@ def save_checkpoint(
     out_dir: Path, drafter: PreTrainedModel, optimizer, step: int, config: TrainConfig, log: list
 ) -> None:
     """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in."""
-    tmp = out_dir / f".{CHECKPOINT}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    drafter.save_pretrained(tmp)
-    optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
-    write_json_atomic(
-        tmp / "trainer_state.json", {"step": step, "config": asdict(config), "optimizer": optimizer_meta, "log": log}
-    )
-    final = out_dir / CHECKPOINT
-    old = out_dir / f".{CHECKPOINT}.old"
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    if old.exists():
-        shutil.rmtree(old)
+    with atomic_folder(out_dir / CHECKPOINT, overwrite=True) as tmp:
+        drafter.save_pretrained(tmp)
+        optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
+        state = {"step": step, "config": asdict(config), "optimizer": optimizer_meta, "log": log}
+        write_json_atomic(tmp / "trainer_state.json", state)
 
 
 def train(
@@ -143,9 +132,8 @@ def train(
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     if step:
         _load_optimizer(optimizer, ckpt / "optimizer.safetensors", state["optimizer"])
-    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps)
-    for _ in range(step):
-        scheduler.step()
+    # Resuming: the schedule starts at the saved step (the loaded param groups carry its initial_lr).
+    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps, last_epoch=step - 1)
     # The scheduler stays outside prepare(): accelerate would step it once per process, but max_steps counts
     # optimizer steps, so it is stepped here once per synced optimizer step on every process alike.
     model, optimizer = accelerator.prepare(drafter, optimizer)
@@ -205,14 +193,9 @@ def train(
     final = out / FINAL
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model).eval()
-        tmp = out / f".{FINAL}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        unwrapped.save_pretrained(tmp)
-        write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        with atomic_folder(final, overwrite=True) as tmp:
+            unwrapped.save_pretrained(tmp)
+            write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
     return final
 
 

@@ -1,0 +1,47 @@
+"""Writes that are complete or absent: an interrupted run never leaves a file or folder that looks finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Write JSON to a temporary file in the same folder, fsync, then rename over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty sibling folder to fill; when the block succeeds it becomes ``out``, otherwise it is removed.
+
+    ``out`` is at every moment absent, the old complete folder or the new one. Without ``overwrite`` an existing
+    ``out`` is refused before anything is written.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; choose a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        yield tmp
+        old = out.with_name(f".{out.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
