@@ -148,24 +148,29 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
+    drafter.config.async_drafting = args.async_drafting
+    if args.num_hypotheses:
+        drafter.config.num_hypotheses = args.num_hypotheses
+    mode = f" --async --num-hypotheses {drafter.config.num_hypotheses}" if args.async_drafting else ""
     rows = []
     for source in args.prompts.split(","):
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(source, args.field, args.num_prompts)]
         res = measure_tau(target, drafter, ids, args.max_new_tokens, progress=True)
         command = (
             f"hf-d3d eval-tau --drafter {args.drafter} --prompts {source} --num-prompts {args.num_prompts} "
-            f"--max-new-tokens {args.max_new_tokens}"
+            f"--max-new-tokens {args.max_new_tokens}{mode}"
         )
         rows.append(
             {
-                "dataset": source,
+                "dataset": source + (f" (async, {drafter.config.num_hypotheses} hypotheses)" if mode else ""),
                 "num_prompts": len(ids),
                 "max_new_tokens": args.max_new_tokens,
                 **res,
                 "command": command,
             }
         )
-        print(f"{source}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens)")
+        hit = f", hit rate {res['hit_rate']:.1%}" if res["hit_rate"] is not None else ""
+        print(f"{source}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens){hit}")
     if args.write_metrics:
         path = Path(args.drafter) / "d3d_metrics.json"
         old = json.loads(path.read_text()) if path.is_file() else {}
@@ -296,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--write-metrics", action="store_true", help="record the rows in DRAFTER/d3d_metrics.json")
+    p.add_argument(
+        "--async", dest="async_drafting", action="store_true", help="async packed drafting (reports the hit rate)"
+    )
+    p.add_argument("--num-hypotheses", type=int, default=None, help="outcomes per packed pass (async)")
     p.set_defaults(func=_cmd_eval_tau)
 
     p = sub.add_parser("prune", help="progressive layer pruning by acceptance length (resumable)")

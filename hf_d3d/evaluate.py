@@ -33,8 +33,8 @@ def measure_tau(
     max_new_tokens: int = 128,
     progress: bool = False,
 ) -> dict:
-    """Greedy assisted generation over ``prompts_ids``; returns mean tau, totals and the acceptance histogram."""
-    new_tokens, forwards = 0, 0
+    """Greedy assisted generation over ``prompts_ids``: tau, totals, acceptance histogram and (async) hit rate."""
+    new_tokens, forwards, hits, misses = 0, 0, 0, 0
     hist: Counter[int] = Counter()
     for ids in tqdm(prompts_ids, disable=not progress, desc="tau"):
         x = torch.tensor([ids], device=target.device)
@@ -50,9 +50,11 @@ def measure_tau(
         new_tokens += out.shape[1] - x.shape[1]
         forwards += calls["n"]
         hist.update(drafter.last_stats.acceptance_lengths)
+        hits, misses = hits + drafter.last_stats.hits, misses + drafter.last_stats.misses
     return {
         "tau": new_tokens / max(forwards, 1),
         "new_tokens": new_tokens,
         "target_forwards": forwards,
         "acceptance_histogram": {int(k): v for k, v in sorted(hist.items())},
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
     }

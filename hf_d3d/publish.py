@@ -49,7 +49,8 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "not measured"
         if r.get("speedup_command"):
             speed += f" (`{r['speedup_command']}`)"
-        table.append(f"| {r['dataset']} | {r['tau']:.2f} | {speed} | `{r['command']}` |")
+        hit = f", hit rate {r['hit_rate']:.0%}" if r.get("hit_rate") is not None else ""
+        table.append(f"| {r['dataset']} | {r['tau']:.2f}{hit} | {speed} | `{r['command']}` |")
     prune = checkpoint / "prune_report.json"
     if prune.is_file():
         rep = json.loads(prune.read_text())

@@ -163,3 +163,17 @@ def test_async_sampling_matches_target_distribution():
         hits += drafter.last_stats.hits
     assert hits > 50  # drafts served from the packed pass took part
     assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+def test_measure_tau_reports_the_hit_rate_of_async_drafting_only(oracle):
+    from hf_d3d.evaluate import measure_tau
+
+    target = TARGETS["llama"]
+    oracle.target, oracle.noise = target, 0.3  # some rounds are rejected early, so outcomes vary
+    prompts = [[5, 9, 17, 33], [40, 41, 7]]
+    drafter = async_drafter(target, 4)
+    res = measure_tau(target, drafter, prompts, 24)
+    assert res["hit_rate"] is not None and 0.0 <= res["hit_rate"] <= 1.0
+    assert drafter.last_stats.hits + drafter.last_stats.misses > 0
+    drafter.config.async_drafting = False
+    assert measure_tau(target, drafter, prompts, 24)["hit_rate"] is None
