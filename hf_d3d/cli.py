@@ -106,7 +106,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError("assisted_ar needs --ar-drafter (an autoregressive drafter trained on the same data)")
         from transformers import AutoModelForCausalLM
 
-        ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter).eval()
+        ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=target.dtype).to(target.device).eval()
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar)
     result["command"] = "hf-d3d " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-d3d") else None
