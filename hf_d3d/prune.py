@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from hf_d3d.atomic import write_json_atomic
+from hf_d3d.atomic import atomic_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 
@@ -111,7 +111,6 @@ def prune(
 
     pruned = drop_layers(drafter, state["removed"])
     model_dir = out / "model"
-    pruned.save_pretrained(model_dir)
     source_ids = drafter.config.target_layer_ids or list(range(n_layers))
     report = {
         "base_tau": base,
@@ -126,8 +125,10 @@ def prune(
         "calibration_prompts": len(prompts_ids),
         "max_new_tokens": max_new_tokens,
     }
+    with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
+        pruned.save_pretrained(tmp)
+        write_json_atomic(tmp / REPORT, report)
     write_json_atomic(out / REPORT, report)
-    write_json_atomic(model_dir / REPORT, report)
     plot_report(report, out / "prune_tau.png")
     return report
 
