@@ -70,6 +70,13 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         num_layers=config["num_hidden_layers"],
         block_size=config["block_size"],
         metrics_table="\n".join(table),
+        draft_vocab=(
+            f" It proposes only its {config['draft_vocab_size']} most frequent tokens (a draft vocabulary), so its LM "
+            f"head costs {config['draft_vocab_size'] / config['vocab_size']:.0%} of a full one; the target still "
+            "verifies over its full vocabulary."
+            if config.get("draft_vocab_size")
+            else ""
+        ),
         training=metrics.get("training", "See the hf-d3d repository."),
         pruning=pruning,
     )

@@ -47,6 +47,18 @@ def test_card_metadata_is_valid(checkpoint, tmp_path):
     assert data["datasets"] == ["openai/gsm8k"]
     assert "| gsm8k:test | 1.23 |" in card.text and "hf-d3d eval-tau --drafter ckpt" in card.text
     assert "someone/tiny-d3d" in card.text
+    assert "draft vocabulary" not in card.text
+
+
+def test_card_states_the_draft_vocabulary(tmp_path):
+    drafter = make_drafter(tiny_target("qwen3"), block_size=4)
+    drafter.set_draft_vocab(list(range(24)))
+    drafter.save_pretrained(tmp_path / "ckpt")
+    rows = [{"dataset": "gsm8k:test", "tau": 1.5, "hit_rate": 0.42, "command": "c"}]
+    (tmp_path / "ckpt" / METRICS).write_text(json.dumps({"rows": rows}))
+    card = ModelCard.load(assemble(tmp_path / "ckpt", tmp_path / "hub", "someone/x") / "README.md")
+    assert "only its 24 most frequent tokens" in card.text and "25% of a full one" in card.text
+    assert "| gsm8k:test | 1.50, hit rate 42% |" in card.text
 
 
 def test_dry_run_writes_exactly_the_hub_files(checkpoint, tmp_path):
