@@ -48,7 +48,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         )
     check_pair(target, drafter, tokenizer)
-    steps = args.steps or epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum)
+    from accelerate import PartialState
+
+    processes = PartialState().num_processes  # under `accelerate launch`, each process takes its own batches
+    steps = args.steps or epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum, processes)
     autoregressive = args.objective == "ar"  # the benchmark's AR peer: next-token loss on every response token
     cfg = TrainConfig(
         max_steps=steps,

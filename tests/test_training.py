@@ -133,3 +133,11 @@ def test_bad_records_are_refused():
         validate_records([{**good, "prompt_ids": list(range(4, 90)) * 6}], 96, 512, 4)
     with pytest.raises(ValueError, match="outside the drafter vocabulary"):
         validate_records([{**good, "response_ids": [500]}], 96, 512, 4)
+
+
+def test_epochs_count_every_process_batches():
+    from hf_d3d.train.trainer import epochs_to_steps
+
+    assert epochs_to_steps(1000, 2.0, 8, 1) == 250
+    assert epochs_to_steps(1000, 2.0, 8, 1, num_processes=4) == 63  # 4 processes x 8 records per step
+    assert epochs_to_steps(1000, 1.0, 8, 2, num_processes=2) == 32

@@ -199,5 +199,6 @@ def train(
     return final
 
 
-def epochs_to_steps(num_records: int, epochs: float, batch_size: int, grad_accum: int) -> int:
-    return max(1, math.ceil(num_records * epochs / (batch_size * grad_accum)))
+def epochs_to_steps(num_records: int, epochs: float, batch_size: int, grad_accum: int, num_processes: int = 1) -> int:
+    """Optimizer steps for ``epochs`` passes over the data; each process takes ``batch_size`` records a micro-step."""
+    return max(1, math.ceil(num_records * epochs / (batch_size * grad_accum * num_processes)))
