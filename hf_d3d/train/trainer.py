@@ -40,6 +40,7 @@ class TrainConfig:
     ar_weight: float = 0.5
     slot_decay: float = 0.8
     max_ar_positions: int | None = 64
+    prefix_blocks: int = 0  # blocks per sequence that start with the true next token (the packed pass's format)
     freeze_embeddings: bool = True
     mixed_precision: str = "no"
     eval_every: int = 200
@@ -149,7 +150,16 @@ def train(
         start = offset * per_step + accelerator.process_index * config.batch_size
         chosen = [records[int(i)] for i in order[start : start + config.batch_size]]
         gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
-        return make_batch(chosen, dcfg.block_size, config.num_blocks, pad_id, fill_id, gen, config.max_ar_positions)
+        return make_batch(
+            chosen,
+            dcfg.block_size,
+            config.num_blocks,
+            pad_id,
+            fill_id,
+            gen,
+            config.max_ar_positions,
+            config.prefix_blocks,
+        )
 
     bar = tqdm(total=config.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     while step < config.max_steps:
