@@ -29,13 +29,20 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     ``out`` is refused before anything is written.
     """
     out = Path(out)
+    old = out.with_name(f".{out.name}.old")
+    if old.exists() and not out.exists():
+        old.rename(out)  # a run died between the two renames below: the old folder is the last complete one
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new folder")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}-*"):  # scratch copies of runs that were killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished folder gets the usual permissions
     try:
         yield tmp
-        old = out.with_name(f".{out.name}.old")
         if old.exists():
             shutil.rmtree(old)
         if out.exists():

@@ -152,7 +152,8 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
-    drafter.config.async_drafting = args.async_drafting
+    if args.async_drafting:  # otherwise the drafter's own default (async on CUDA, sync on CPU)
+        drafter.config.async_drafting = True
     if args.num_hypotheses:
         drafter.config.num_hypotheses = args.num_hypotheses
     mode = f" --async --num-hypotheses {drafter.config.num_hypotheses}" if args.async_drafting else ""

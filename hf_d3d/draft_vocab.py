@@ -55,7 +55,7 @@ def write_with_draft_vocab(drafter_path: str | Path, records: list[dict], size: 
     drafter.set_draft_vocab(ids)
     with atomic_folder(out) as tmp:
         drafter.save_pretrained(tmp)
-        for extra in ("README.md", "d3d_metrics.json", "training_log.json"):  # provenance travels with the weights
-            if (Path(drafter_path) / extra).is_file():
-                shutil.copy2(Path(drafter_path) / extra, tmp / extra)
+        # Provenance travels with the weights; measured tau and the card do not (measure the copy anew).
+        if (Path(drafter_path) / "training_log.json").is_file():
+            shutil.copy2(Path(drafter_path) / "training_log.json", tmp / "training_log.json")
     return coverage

@@ -41,8 +41,10 @@ def export_autoregressive(drafter: D3DDrafterModel) -> PreTrainedModel:
         bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_id,
     )
-    if c.target_model_type in ("llama", "mistral"):
+    if c.target_model_type != "qwen2":  # qwen2 always has q/k/v biases and no switch for them
         fields["attention_bias"] = c.attention_bias
+    if c.target_model_type == "mistral":
+        fields["sliding_window"] = None  # the drafter attends to its whole context
     config = AutoConfig.for_model(c.target_model_type, **fields)
     model = AutoModelForCausalLM.from_config(config, dtype=drafter.dtype)
     state = {k: v for k, v in drafter.state_dict().items() if not k.startswith(_D3D_ONLY)}

@@ -241,14 +241,15 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``."""
         if self.training or self.config.draft_vocab_size is None:
             return self.lm_head(hidden)  # training learns the full distribution
-        weight = self.lm_head.weight
-        # The gathered rows are reused until the head changes (another device, dtype or an in-place update).
-        key = (weight.data_ptr(), weight._version, weight.dtype, self.draft_vocab.data_ptr())
+        weight, ids = self.lm_head.weight, self.draft_vocab
+        # The gathered rows are reused until the head or the ids change (device, dtype or an in-place update;
+        # tensors made under inference_mode have no version counter and cannot be updated in place outside it).
+        key = tuple((t.data_ptr(), t.dtype, -1 if t.is_inference() else t._version) for t in (weight, ids))
         if self._draft_head is None or self._draft_head[0] != key:
-            self._draft_head = (key, weight.detach().index_select(0, self.draft_vocab))
+            self._draft_head = (key, weight.detach().index_select(0, ids))
         sub = F.linear(hidden, self._draft_head[1])
         full = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(full.dim() - 1, self.draft_vocab, sub)
+        return full.index_copy_(full.dim() - 1, ids, sub)
 
     def set_draft_vocab(self, token_ids: list[int] | torch.Tensor | None) -> None:
         """Restrict proposals to ``token_ids`` (deduplicated, sorted; ``None`` lifts the restriction)."""
@@ -305,6 +306,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         ``layer_ids`` picks target layers to copy; by default ``num_hidden_layers`` layers spread evenly from the
         first to the last. ``tokenizer_fingerprint`` (see ``hf_d3d.checks``) lets a mismatched pair be caught later.
         """
+        if config_overrides.get("draft_vocab_size") is not None:
+            raise ValueError("choose a draft vocabulary with drafter.set_draft_vocab(token_ids), not a size alone")
         tcfg = target.config.get_text_config()
         if tcfg.model_type not in _SUPPORTED_TARGETS:
             raise ValueError(f"from_target supports {_SUPPORTED_TARGETS} targets, got {tcfg.model_type!r}")

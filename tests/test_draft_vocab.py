@@ -155,13 +155,76 @@ def test_frequent_tokens_counts_responses_keeps_eos_and_fills_with_low_ids():
 def test_write_with_draft_vocab_writes_a_complete_folder_and_never_overwrites(tmp_path):
     drafter = make_drafter(TARGETS["llama"])
     drafter.save_pretrained(tmp_path / "src")
-    (tmp_path / "src" / "d3d_metrics.json").write_text(json.dumps({"tau": 1.0}))
+    (tmp_path / "src" / "d3d_metrics.json").write_text(json.dumps({"tau": 1.0}))  # measured on the full head
+    (tmp_path / "src" / "training_log.json").write_text(json.dumps({"log": []}))
     records = [{"prompt_ids": [5], "response_ids": [7, 7, 8, EOS]}]
     coverage = write_with_draft_vocab(tmp_path / "src", records, 3, tmp_path / "out")
     assert coverage == 1.0
     loaded = D3DDrafterModel.from_pretrained(tmp_path / "out")
     assert loaded.draft_vocab.tolist() == [EOS, 7, 8]
-    assert (tmp_path / "out" / "d3d_metrics.json").is_file()
+    assert (tmp_path / "out" / "training_log.json").is_file()
+    assert not (tmp_path / "out" / "d3d_metrics.json").exists()  # the copy's tau must be measured anew
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
     with pytest.raises(FileExistsError):
         write_with_draft_vocab(tmp_path / "src", records, 3, tmp_path / "out")
+
+
+def test_processed_q_with_a_draft_vocab_is_what_each_slot_was_drawn_from():
+    from transformers.generation import RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+
+    from hf_d3d import D3DCandidateGenerator
+
+    target = tiny_target("llama", vocab=16, seed=3)
+    drafter = make_drafter(target, block_size=3)
+    drafter.set_draft_vocab([0, 3, 4, 5, 6, 9, 12])
+    procs = LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(1.3),
+            TemperatureLogitsWarper(0.8),
+            TopKLogitsWarper(4),
+            TopPLogitsWarper(0.9),
+        ]
+    )
+    x = torch.tensor([[4, 5, 6, 7]])
+    ids, layout = pack_blocks(x, 0, [3], 3, 0)
+    with torch.no_grad():
+        raw = drafter(ids, layout=layout, use_cache=False).logits[:, 4:].float()
+    torch.manual_seed(0)
+    for _ in range(50):
+        seq, scores = D3DCandidateGenerator(drafter, procs, do_sample=True).get_candidates(x)
+        for i in range(scores.shape[1]):
+            torch.testing.assert_close(scores[:, i], procs(seq[:, : 4 + i], raw[:, i].clone()))
+        assert set(seq[0, 4:].tolist()) <= {0, 3, 4, 5, 6, 9, 12}
+
+
+def test_a_draft_ends_where_processors_rule_out_the_whole_draft_vocab():
+    from transformers.generation import NoBadWordsLogitsProcessor
+
+    from hf_d3d import D3DCandidateGenerator
+
+    target = TARGETS["llama"]
+    drafter = restricted(target)
+    banned = NoBadWordsLogitsProcessor([[t] for t in sorted(set(VOCAB_IDS))], eos_token_id=None)
+    x = torch.tensor([[5, 9, 17]])
+    for do_sample in (False, True):
+        seq, scores = D3DCandidateGenerator(drafter, LogitsProcessorList([banned]), do_sample).get_candidates(x)
+        assert seq.shape[1] == 3 and scores.shape[1] == 0  # nothing proposable: an empty draft, no NaN, no crash
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=12, bad_words_ids=[[t] for t in sorted(set(VOCAB_IDS))])
+    ref = target.generate(x, do_sample=False, **kw)
+    assert torch.equal(ref, target.generate(x, do_sample=False, assistant_model=drafter, **kw))
+
+
+def test_from_target_refuses_a_draft_vocab_size_without_ids():
+    with pytest.raises(ValueError, match="set_draft_vocab"):
+        make_drafter(TARGETS["llama"], draft_vocab_size=10)
+
+
+def test_gathered_head_follows_new_draft_vocab_ids_loaded_in_place():
+    target = TARGETS["qwen3"]
+    a, b = restricted(target), make_drafter(target)
+    b.set_draft_vocab(list(range(1, VOCAB, 3)))  # as many ids as a has, other ones
+    x = torch.tensor([[5, 9, 17]])
+    with torch.no_grad():
+        a(x, use_cache=False)  # gathers a's rows
+        a.load_state_dict(b.state_dict())  # same shapes, new ids copied into the same buffer
+        torch.testing.assert_close(a(x, use_cache=False).logits, b(x, use_cache=False).logits)

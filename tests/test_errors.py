@@ -102,3 +102,11 @@ def test_atomic_folder_is_complete_or_absent(tmp_path):
     with atomic_folder(out, overwrite=True) as tmp:
         (tmp / "b").write_text("new")
     assert [p.name for p in out.iterdir()] == ["b"] and [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert out.stat().st_mode & 0o055  # not left private to its writer, as mkdtemp made it
+
+    out.rename(tmp_path / ".model.old")  # killed between the two renames: only the old complete copy exists
+    (tmp_path / ".model-stale123").mkdir()  # and a scratch copy from a run killed mid-write
+    with atomic_folder(out, overwrite=True) as tmp:
+        assert [p.name for p in out.iterdir()] == ["b"]  # the complete copy is back before anything else happens
+        (tmp / "c").write_text("newer")
+    assert [p.name for p in out.iterdir()] == ["c"] and [p.name for p in tmp_path.iterdir()] == ["model"]

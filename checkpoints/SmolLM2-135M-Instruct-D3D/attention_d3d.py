@@ -72,8 +72,8 @@ def pack_blocks(
     """Lay out ``context_ids`` (shape ``[batch, n]``, positions from ``past_length``) followed by one block per anchor.
 
     Block ``i`` is anchored after absolute context position ``anchors[i]``, starts with the clean tokens
-    ``prefixes[i]`` (may be empty) and ends with ``block_size`` slots filled with ``fill_id``. Every block must hold
-    the same number of prefix tokens so that the batch stays rectangular.
+    ``prefixes[i]`` (may be empty; lengths may differ between blocks) and ends with ``block_size`` slots filled with
+    ``fill_id``. Every row of the batch shares the layout.
     """
     batch, n_ctx = context_ids.shape
     device = context_ids.device

@@ -282,6 +282,10 @@ class D3DCandidateGenerator(CandidateGenerator):
         for i in range(logits.shape[1]):
             # Processors such as repetition penalty read the tokens drafted so far, as they will at verification.
             scores[:, i] = self.logits_processor(seq, logits[:, i])
+            if not bool(torch.isfinite(scores[:, i]).any()):
+                # Processors ruled out every token the drafter can propose (e.g. bad words within a draft
+                # vocabulary): the draft ends here and the target supplies the next token itself.
+                return seq[:, input_ids.shape[1] :], scores[:, :i]
             if self.do_sample:
                 nxt = torch.multinomial(scores[:, i].softmax(-1), 1)
             else:

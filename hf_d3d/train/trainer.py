@@ -113,6 +113,8 @@ def train(
     eval_max_new_tokens: int = 64,
 ) -> Path:
     """Train ``drafter`` on ``records``; resumes from ``out_dir/checkpoint`` if present. Returns ``out_dir/final``."""
+    if not 0 <= config.prefix_blocks <= config.num_blocks:
+        raise ValueError(f"prefix_blocks must be in [0, num_blocks={config.num_blocks}], got {config.prefix_blocks}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
