@@ -244,7 +244,15 @@ class D3DCandidateGenerator(CandidateGenerator):
         if pending is None:
             return None
         if pending.event is not None:
-            torch.cuda.current_stream(input_ids.device).wait_event(pending.event)
+            main = torch.cuda.current_stream(input_ids.device)
+            main.wait_event(pending.event)
+            # The pass allocated its logits and the grown cache tensors on the side stream; the main stream reads
+            # them from here on, so their memory must not be reused by the side stream before the main one is done.
+            pending.logits.record_stream(main)
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None:
+                    layer.keys.record_stream(main)
+                    layer.values.record_stream(main)
         new = input_ids[0, pending.committed_len :].tolist()
         accepted = len(new) - 1
         common = 0  # committed tokens that extend the draft the packed pass assumed
