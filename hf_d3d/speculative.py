@@ -65,7 +65,8 @@ def speculative_generate(
 ) -> torch.LongTensor:
     """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
 
-    ``eos_token_id`` defaults to the target's generation config; pass ``None`` to ignore EOS. Statistics of the
+    ``eos_token_id`` defaults to the target's generation config; pass ``None`` to ignore EOS. Each round drafts
+    ``drafter.generation_config.num_assistant_tokens`` tokens (the block size unless lowered). Statistics of the
     call (every round counted) are in ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called
     after each verification (the Space uses it to colour accepted and rejected draft tokens).
     """
@@ -88,8 +89,10 @@ def speculative_generate(
     cache = DynamicCache()  # the first verify pass also prefills the prompt, so each round is one target forward
     gen = D3DCandidateGenerator(drafter, procs, do_sample=do_sample, async_drafting=async_drafting)
     drafter.last_stats = gen.stats
+    # The same knob as in generate(assistant_model=...): draft (and verify) at most this many tokens per round.
+    per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
     while seq.shape[1] < limit:
-        cand, q_scores = gen.get_candidates(seq, max_new_tokens=limit - seq.shape[1] - 1)
+        cand, q_scores = gen.get_candidates(seq, max_new_tokens=min(per_round, limit - seq.shape[1] - 1))
         k = cand.shape[1] - seq.shape[1]
         logits = target(cand[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True).logits
         logits = logits[0, -(k + 1) :].float()

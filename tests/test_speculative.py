@@ -151,3 +151,22 @@ def test_custom_generate_honours_stopping_criteria():
     ref = target.generate(x, stopping_criteria=crit, **kw)
     out = target.generate(x, stopping_criteria=crit, custom_generate=d3d_generate, drafter=drafter, **kw)
     assert ref.shape[1] == 9 and torch.equal(out, ref)
+
+
+def test_num_assistant_tokens_caps_the_draft_in_both_paths(oracle):
+    target = TARGETS["llama"]
+    drafter = make_drafter(target, block_size=8)
+    drafter.generation_config.num_assistant_tokens = 3
+    oracle.target = target  # a perfect drafter: every round commits the capped draft plus the bonus token
+    x = torch.tensor([[5, 6, 7]])
+    drafts: list[int] = []
+    out = speculative_generate(
+        target, drafter, x, max_new_tokens=20, eos_token_id=None, on_round=lambda d, a, n: drafts.append(len(d))
+    )
+    assert max(drafts) == 3 and drafter.last_stats.tau == 4.0
+    assert torch.equal(out, plain(target, x, 20, None))
+    out = target.generate(
+        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=20, assistant_model=drafter
+    )
+    assert torch.equal(out, plain(target, x, 20, None))
+    assert max(drafter.last_stats.acceptance_lengths) == 3  # transformers asks for num_assistant_tokens too
