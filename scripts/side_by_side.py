@@ -27,7 +27,8 @@ for spec in args.specs:
     path, _, k = spec.partition("@")
     loaded.setdefault(path, load_drafter(path))
     drafters[spec] = (loaded[path], int(k) if k else loaded[path].config.block_size)
-prompts = [torch.tensor([chat_prompt_ids(tok, q)]) for q in load_prompts("gsm8k:test", "question", args.num_prompts + 1)]
+questions = load_prompts("gsm8k:test", "question", args.num_prompts + 1)
+prompts = [torch.tensor([chat_prompt_ids(tok, q)]) for q in questions]
 
 
 def fast(x, drafter, k):
