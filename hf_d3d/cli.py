@@ -62,7 +62,6 @@ def _cmd_train(args: argparse.Namespace) -> None:
         num_blocks=0 if autoregressive else args.num_blocks,
         ar_weight=1.0 if autoregressive else args.ar_weight,
         max_ar_positions=None if autoregressive else TrainConfig.max_ar_positions,
-        prefix_blocks=0 if autoregressive else args.prefix_blocks,
         slot_decay=args.slot_decay,
         freeze_embeddings=not args.train_embeddings,
         mixed_precision=args.mixed_precision,
@@ -259,12 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-ids", default=None, help="comma-separated target layers to copy (overrides --layers)")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--num-blocks", type=int, default=4, help="mask blocks per sequence per step")
-    p.add_argument(
-        "--prefix-blocks",
-        type=int,
-        default=0,
-        help="of those, blocks that start with the true next token, as async hypothesis blocks start with a guess",
-    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=4)

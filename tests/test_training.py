@@ -80,32 +80,6 @@ def test_loss_masks():
     assert mask[slot, : anchor + 1].all() and not mask[slot, anchor + 1 : width].any()
 
 
-def test_prefix_blocks_match_the_packed_pass_format():
-    seq = [5, 6, 7, 8, 9, 10, 11]
-    records = [
-        {"idx": 0, "prompt_ids": seq[:3], "response_ids": seq[3:]},
-        {"idx": 1, "prompt_ids": [5, 6], "response_ids": [12]},  # one response token: no slot can carry loss
-    ]
-    batch = make_batch(records, 3, 2, 0, 0, torch.Generator().manual_seed(1), prefix_blocks=1)
-    width = 7
-    assert batch.input_ids.shape[1] == width + 1 + 3 + 3  # every row: context, [prefix + 3 slots], [3 slots]
-    labels, lay = batch.labels[0], batch.layout
-    anchor = int(lay.anchors[0, width])
-    assert 2 <= anchor <= 4  # the private token and the first slot both lie in the response
-    assert int(batch.input_ids[0, width]) == seq[anchor + 1] and not lay.is_slot[0, width]
-    assert labels[width] == IGNORE and batch.slot_index[0, width] == -1  # given, not predicted
-    expect = [seq[anchor + 2 + j] if anchor + 2 + j < 7 else IGNORE for j in range(3)]
-    assert labels[width + 1 : width + 4].tolist() == expect
-    assert batch.slot_index[0, width + 1 : width + 4].tolist() == [0, 1, 2]
-    mask = lay.attention_mask()[0, 0]
-    assert mask[width + 1 : width + 4, width].all()  # slots see the private token
-    assert not mask[width, width + 1 : width + 4].any()  # which sees no slot
-    assert not mask[:width, width:].any()
-    assert (batch.labels[1, width : width + 4] == IGNORE).all()
-    with pytest.raises(ValueError, match="prefix_blocks"):
-        make_batch(records, 3, 2, 0, 0, torch.Generator(), prefix_blocks=3)
-
-
 def test_both_losses_decrease_and_tau_rises(toy, toy_data, tmp_path):
     target, _ = toy
     drafter = make_drafter(target, block_size=4, layers=2)

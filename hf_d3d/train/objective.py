@@ -32,16 +32,8 @@ def make_batch(
     fill_id: int,
     generator: torch.Generator,
     max_ar_positions: int | None = None,
-    prefix_blocks: int = 0,
 ) -> D3DBatch:
-    """Build one training batch from distillation records (``prompt_ids`` + ``response_ids`` each).
-
-    The first ``prefix_blocks`` of the ``num_blocks`` blocks start with one clean private token, the true next
-    token, as the packed pass's hypothesis blocks start with a guessed correction token; their slots predict the
-    tokens after it.
-    """
-    if not 0 <= prefix_blocks <= num_blocks:
-        raise ValueError(f"prefix_blocks must be in [0, num_blocks={num_blocks}], got {prefix_blocks}")
+    """Build one training batch from distillation records (``prompt_ids`` + ``response_ids`` each)."""
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
     width = max(len(s) for s in seqs)
     all_ids, all_labels, layouts, all_slots = [], [], [], []
@@ -51,17 +43,13 @@ def make_batch(
             raise ValueError(f"record {rec.get('idx', '?')} has an empty response; nothing to learn from it")
         ctx = torch.full((1, width), pad_id, dtype=torch.long)
         ctx[0, :n] = torch.tensor(seq)
-        # Anchors: after the last prompt token up to before the last token, so each block predicts >= 1 response token;
-        # a prefix block's private token and first slot both lie in the response where it is long enough (with a
-        # one-token response its slots simply carry no loss, so every row keeps the same layout width).
-        plain = torch.arange(n_prompt - 1, n - 1)
-        with_prefix = torch.arange(n_prompt - 1, max(n_prompt, n - 2))
-        anchors = plain[torch.randint(len(plain), (num_blocks,), generator=generator)].tolist()
-        if prefix_blocks:
-            pick = torch.randint(len(with_prefix), (prefix_blocks,), generator=generator)
-            anchors[:prefix_blocks] = with_prefix[pick].tolist()
-        prefixes = [[seq[a + 1]] if b < prefix_blocks else [] for b, a in enumerate(anchors)]
-        ids, layout = pack_blocks(ctx, 0, anchors, block_size, fill_id, prefixes)
+        # Anchors: after the last prompt token up to before the last token, so each block predicts >= 1 response token.
+        # (The packed pass's hypothesis blocks, which start with a guessed token, need no training of their own:
+        # under the D3D mask a block-private clean token is seen exactly as the same token in the context would be.)
+        choices = torch.arange(n_prompt - 1, n - 1)
+        pick = torch.randint(len(choices), (num_blocks,), generator=generator)
+        anchors = choices[pick].tolist()
+        ids, layout = pack_blocks(ctx, 0, anchors, block_size, fill_id)
 
         seq_t = torch.tensor(seq)
         labels = torch.full((ids.shape[1],), IGNORE, dtype=torch.long)
@@ -71,15 +59,13 @@ def make_batch(
             ar_pos = ar_pos[torch.randperm(len(ar_pos), generator=generator)[:max_ar_positions]]
         labels[ar_pos] = seq_t[ar_pos + 1]
         slot_index = torch.full((ids.shape[1],), -1, dtype=torch.long)
-        start = width
-        for anchor, prefix in zip(anchors, prefixes):
-            start += len(prefix)  # the private token carries no loss: it is given, not predicted
+        for b, anchor in enumerate(anchors):
+            start = width + b * block_size
             for j in range(block_size):
-                target_pos = anchor + 1 + len(prefix) + j
+                target_pos = anchor + 1 + j
                 slot_index[start + j] = j
                 if target_pos < n:  # slots past the end of the sequence carry no loss
                     labels[start + j] = seq[target_pos]
-            start += block_size
         all_ids.append(ids)
         all_labels.append(labels)
         layouts.append(layout)

@@ -40,7 +40,6 @@ class TrainConfig:
     ar_weight: float = 0.5
     slot_decay: float = 0.8
     max_ar_positions: int | None = 64
-    prefix_blocks: int = 0  # blocks per sequence that start with the true next token (the packed pass's format)
     freeze_embeddings: bool = True
     mixed_precision: str = "no"
     eval_every: int = 200
@@ -113,8 +112,6 @@ def train(
     eval_max_new_tokens: int = 64,
 ) -> Path:
     """Train ``drafter`` on ``records``; resumes from ``out_dir/checkpoint`` if present. Returns ``out_dir/final``."""
-    if not 0 <= config.prefix_blocks <= config.num_blocks:
-        raise ValueError(f"prefix_blocks must be in [0, num_blocks={config.num_blocks}], got {config.prefix_blocks}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
@@ -152,16 +149,7 @@ def train(
         start = offset * per_step + accelerator.process_index * config.batch_size
         chosen = [records[int(i)] for i in order[start : start + config.batch_size]]
         gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
-        return make_batch(
-            chosen,
-            dcfg.block_size,
-            config.num_blocks,
-            pad_id,
-            fill_id,
-            gen,
-            config.max_ar_positions,
-            config.prefix_blocks,
-        )
+        return make_batch(chosen, dcfg.block_size, config.num_blocks, pad_id, fill_id, gen, config.max_ar_positions)
 
     bar = tqdm(total=config.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     while step < config.max_steps:
