@@ -69,6 +69,7 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         base_model=base,
         num_layers=config["num_hidden_layers"],
         block_size=config["block_size"],
+        draft_tokens=_draft_tokens(checkpoint, config),
         metrics_table="\n".join(table),
         draft_vocab=(
             f" It proposes only its {config['draft_vocab_size']} most frequent tokens (a draft vocabulary), so its LM "
@@ -81,6 +82,13 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         pruning=pruning,
     )
     return str(card)
+
+
+def _draft_tokens(checkpoint: Path, config: dict) -> int:
+    """Tokens proposed per round: ``num_assistant_tokens`` of the generation config, capped by the block size."""
+    gen = checkpoint / "generation_config.json"
+    asked = json.loads(gen.read_text()).get("num_assistant_tokens") if gen.is_file() else None
+    return min(int(asked or config["block_size"]), config["block_size"])
 
 
 def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:
