@@ -287,19 +287,22 @@ class D3DCandidateGenerator(CandidateGenerator):
             return logits.argmax(-1), logits
         seq = input_ids
         scores = torch.empty_like(logits)
+        proposable = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
         for i in range(logits.shape[1]):
             # Processors such as repetition penalty read the tokens drafted so far, as they will at verification.
             scores[:, i] = self.logits_processor(seq, logits[:, i])
-            if not bool(torch.isfinite(scores[:, i]).any()):
-                # Processors ruled out every token the drafter can propose (e.g. bad words within a draft
-                # vocabulary): the draft ends here and the target supplies the next token itself.
-                return seq[:, input_ids.shape[1] :], scores[:, :i]
+            # A row with no finite score (processors ruled out every token the drafter can propose, e.g. bad words
+            # within a draft vocabulary) ends the draft. The cut is made after the loop, so the host reads the
+            # device once per round; meanwhile such a row draws from a harmless uniform stand-in.
+            proposable[i] = torch.isfinite(scores[:, i]).any()
+            row = torch.where(proposable[i], scores[:, i], 0.0)
             if self.do_sample:
-                nxt = torch.multinomial(scores[:, i].softmax(-1), 1)
+                nxt = torch.multinomial(row.softmax(-1), 1)
             else:
-                nxt = scores[:, i].argmax(-1, keepdim=True)
+                nxt = row.argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
-        return seq[:, input_ids.shape[1] :], scores
+        keep = int(proposable.long().cumprod(0).sum())
+        return seq[:, input_ids.shape[1] : input_ids.shape[1] + keep], scores[:, :keep]
 
 
 def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> GenerateDecoderOnlyOutput:
