@@ -9,13 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from test_sampling import _target_joint, chi_square_pvalue
+from test_sampling import _target_joint, chi_square_pvalue, sample_two_tokens
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
 from conftest import EOS, VOCAB, make_drafter, tiny_target
 from hf_d3d import D3DDrafterModel, speculative_generate
 from hf_d3d.draft_vocab import frequent_tokens, write_with_draft_vocab
-from hf_d3d.evaluate import count_forwards
 from hf_d3d.modeling.attention_d3d import pack_blocks
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -94,16 +93,7 @@ def test_sampling_is_lossless_when_the_target_favours_tokens_the_drafter_cannot_
     with torch.no_grad():
         joint = _target_joint(target, x, processors)
     assert joint.reshape(12, 12)[1::2].sum() > 0.2  # much of p lies where q is zero
-    kw = dict(do_sample=True, temperature=0.5, top_k=0, top_p=1.0, max_new_tokens=2, eos_token_id=None)
-    torch.manual_seed(4321)
-    counts = torch.zeros(12 * 12)
-    accepted_any = 0
-    for _ in range(2500):
-        with count_forwards(target) as calls:
-            out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
-        a, b = out[0, 3:5].tolist()
-        counts[a * 12 + b] += 1
-        accepted_any += calls["n"] == 1
+    counts, accepted_any = sample_two_tokens(target, drafter, x, seed=4321)
     assert accepted_any > 100
     assert chi_square_pvalue(counts, joint) > 1e-3
 

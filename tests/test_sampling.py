@@ -69,22 +69,29 @@ def _target_joint(target, x, processors):
     return joint.reshape(-1)
 
 
+def sample_two_tokens(target, drafter, x, seed: int, draws: int = 2500) -> tuple[torch.Tensor, int]:
+    """Counts of (x1, x2) drawn by assisted sampling at temperature 0.5, and how many draws accepted the draft."""
+    vocab = target.config.vocab_size
+    kw = dict(do_sample=True, temperature=0.5, top_k=0, top_p=1.0, max_new_tokens=2, eos_token_id=None)
+    torch.manual_seed(seed)
+    counts = torch.zeros(vocab * vocab)
+    accepted_any = 0
+    for _ in range(draws):
+        with count_forwards(target) as calls:
+            out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
+        a, b = out[0, x.shape[1] : x.shape[1] + 2].tolist()
+        counts[a * vocab + b] += 1
+        accepted_any += calls["n"] == 1  # two tokens from one verification: the draft token was accepted
+    return counts, accepted_any
+
+
 def test_speculative_sampling_matches_target_distribution():
     target = tiny_target("qwen3", vocab=12, seed=5)
     drafter = make_drafter(target, block_size=2)
     x = torch.tensor([[4, 7, 9]])
-    kw = dict(do_sample=True, temperature=0.5, top_k=0, top_p=1.0, max_new_tokens=2, eos_token_id=None)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.5)])
     with torch.no_grad():
         joint = _target_joint(target, x, processors)
-    torch.manual_seed(1234)
-    counts = torch.zeros(12 * 12)
-    accepted_any = 0
-    for _ in range(2500):
-        with count_forwards(target) as calls:
-            out = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw)
-        a, b = out[0, 3:5].tolist()
-        counts[a * 12 + b] += 1
-        accepted_any += calls["n"] == 1  # two tokens from one verification: the draft token was accepted
+    counts, accepted_any = sample_two_tokens(target, drafter, x, seed=1234)
     assert accepted_any > 100  # drafts really were accepted, so the accept/resample path was exercised
     assert chi_square_pvalue(counts, joint) > 1e-3
