@@ -12,7 +12,10 @@ def _cmd_distill(args: argparse.Namespace) -> None:
     from hf_d3d.targets import load_target
     from hf_d3d.train.distill import DistillConfig, distill
 
-    prompts = load_prompts(args.prompts, args.field, args.num_prompts)
+    prompts = load_prompts(args.prompts, args.field, args.num_prompts, skip=args.skip_prompts)
+    # The slice is part of the source, so two folders from one prompt set say which prompts each holds.
+    skip = args.skip_prompts
+    source = f"{args.prompts}[{skip}:{skip + len(prompts)}]" if skip else args.prompts
     target, tokenizer = load_target(args.target)
     cfg = DistillConfig(
         max_new_tokens=args.max_new_tokens,
@@ -21,7 +24,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         seed=args.seed,
     )
-    out = distill(target, tokenizer, prompts, args.out, cfg, source=args.prompts)
+    out = distill(target, tokenizer, prompts, args.out, cfg, source=source)
     print(f"distillation data ready in {out}")
 
 
@@ -33,7 +36,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
     from hf_d3d.train.distill import chat_prompt_ids, load_records
     from hf_d3d.train.trainer import TrainConfig, epochs_to_steps, train
 
-    records = load_records(args.data)
+    records = load_records(*args.data)
     target, tokenizer = load_target(args.target)
     resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
     if args.init_from:
@@ -205,9 +208,9 @@ def _cmd_draft_vocab(args: argparse.Namespace) -> None:
     from hf_d3d.draft_vocab import write_with_draft_vocab
     from hf_d3d.train.distill import load_records
 
-    coverage = write_with_draft_vocab(args.drafter, load_records(args.data), args.size, args.out)
+    coverage = write_with_draft_vocab(args.drafter, load_records(*args.data), args.size, args.out)
     print(f"drafter with a {args.size}-token draft vocabulary written to {args.out}")
-    print(f"it covers {coverage:.2%} of the response tokens in {args.data}")
+    print(f"it covers {coverage:.2%} of the response tokens in {', '.join(args.data)}")
 
 
 def _cmd_export_ar(args: argparse.Namespace) -> None:
@@ -239,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="gsm8k:train, gsm8k:test, humaneval, sharegpt or a JSONL path")
     p.add_argument("--field", default="question", help="JSONL field holding the prompt")
     p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts (to extend a dataset)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--do-sample", action="store_true")
@@ -251,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a D3D drafter on distillation data (resumable; works under accelerate launch)"
     )
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--data", required=True, help="a finished `hf-d3d distill` folder")
+    p.add_argument("--data", required=True, nargs="+", help="finished `hf-d3d distill` folders (repeats dropped)")
     p.add_argument("--out", required=True)
     p.add_argument("--init-from", default=None, help="start from this drafter instead of copying target layers")
     p.add_argument("--layers", type=int, default=4, help="drafter depth when copying target layers")
@@ -327,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         "draft-vocab", help="copy a drafter so it proposes only the most frequent tokens (cheaper LM head; lossless)"
     )
     p.add_argument("--drafter", required=True)
-    p.add_argument("--data", required=True, help="a finished `hf-d3d distill` folder to count tokens in")
+    p.add_argument("--data", required=True, nargs="+", help="finished `hf-d3d distill` folders to count tokens in")
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_draft_vocab)

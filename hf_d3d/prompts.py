@@ -78,8 +78,20 @@ def _sharegpt_prompts(limit: int | None) -> Iterator[str]:
                 return
 
 
-def load_prompts(source: str, field: str = "question", limit: int | None = None) -> list[str]:
-    """Prompts from ``gsm8k:train``, ``gsm8k:test``, ``humaneval``, ``sharegpt`` or a JSONL path with ``field``."""
+def load_prompts(source: str, field: str = "question", limit: int | None = None, skip: int = 0) -> list[str]:
+    """Prompts from ``gsm8k:train``, ``gsm8k:test``, ``humaneval``, ``sharegpt`` or a JSONL path with ``field``.
+
+    ``skip`` drops the first prompts (to extend a dataset with the next ones); ``limit`` counts after it.
+    """
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    prompts = _load(source, field, None if limit is None else skip + limit)[skip:]
+    if not prompts:
+        raise ValueError(f"{source} has no prompts" + (f" after skipping the first {skip}" if skip else ""))
+    return prompts
+
+
+def _load(source: str, field: str, limit: int | None) -> list[str]:
     if source.startswith("gsm8k"):
         split = source.split(":", 1)[1] if ":" in source else "test"
         return read_jsonl_field(shared_data_dir() / "gsm8k" / f"{split}.jsonl", "question", limit)

@@ -33,6 +33,10 @@ def test_gzipped_jsonl_and_limit(tmp_path):
         for i in range(5):
             f.write(json.dumps({"prompt": f"q{i}"}) + "\n")
     assert read_jsonl_field(path, "prompt", limit=3) == ["q0", "q1", "q2"]
+    assert load_prompts(str(path), "prompt", limit=2, skip=2) == ["q2", "q3"]
+    assert load_prompts(str(path), "prompt", skip=3) == ["q3", "q4"]
+    with pytest.raises(ValueError, match="after skipping the first 5"):
+        load_prompts(str(path), "prompt", skip=5)
 
 
 def test_gsm8k_prompts_come_from_shared_data():

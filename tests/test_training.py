@@ -58,6 +58,23 @@ def test_distill_resumes_and_marks_completion(toy, tmp_path):
     assert json.loads((tmp_path / "meta.json").read_text())["num_records"] == 6
 
 
+def test_several_folders_merge_without_repeats(toy, tmp_path):
+    target, prompts = toy
+    cfg = DistillConfig(max_new_tokens=6, batch_size=4)
+    a, b = tmp_path / "a", tmp_path / "b"
+    distill(target, ToyTokenizer(), prompts[:5], a, cfg)
+    distill(target, ToyTokenizer(), prompts[3:8], b, cfg)  # prompts 3 and 4 are in both
+    merged = load_records(a, b)
+    assert [r["prompt_ids"] for r in merged] == [r["prompt_ids"] for r in load_records(a)] + [
+        r["prompt_ids"] for r in load_records(b) if r["idx"] >= 2
+    ]
+    assert len(merged) == 8
+    meta = json.loads((b / "meta.json").read_text())
+    (b / "meta.json").write_text(json.dumps({**meta, "target": "/elsewhere/Other-Model"}))
+    with pytest.raises(ValueError, match="Other-Model"):
+        load_records(a, b)
+
+
 def test_loss_masks():
     records = [{"idx": 0, "prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11]}]
     batch = make_batch(records, block_size=3, num_blocks=2, pad_id=0, fill_id=0, generator=torch.Generator())

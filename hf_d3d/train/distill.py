@@ -59,13 +59,33 @@ def _read_done(records: Path) -> set[int]:
     return done
 
 
-def load_records(folder: str | Path) -> list[dict]:
-    """Read a finished distillation folder; an unfinished one is a clear error."""
-    folder = Path(folder)
-    if not (folder / META).is_file():
-        raise FileNotFoundError(f"{folder} is not a finished distillation run (no {META}); resume it with distill.")
-    with open(folder / RECORDS, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+def load_records(*folders: str | Path) -> list[dict]:
+    """Read finished distillation folders in order; an unfinished one is a clear error.
+
+    A prompt already read from an earlier folder is dropped, so overlapping runs never count one answer twice.
+    Folders distilled from differently named targets are refused: they would teach the drafter two models.
+    """
+    if not folders:
+        raise ValueError("No distillation folder given.")
+    records: list[dict] = []
+    seen: set[tuple[int, ...]] = set()
+    targets: dict[str, Path] = {}
+    for folder in map(Path, folders):
+        if not (folder / META).is_file():
+            raise FileNotFoundError(f"{folder} is not a finished distillation run (no {META}); resume it with distill.")
+        with open(folder / META, encoding="utf-8") as f:
+            target = Path(json.load(f).get("target", "")).name
+        targets.setdefault(target, folder)
+        if len(targets) > 1:
+            raise ValueError(f"{folder} was distilled from {target!r} but {targets[next(iter(targets))]} was not.")
+        with open(folder / RECORDS, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                key = tuple(record["prompt_ids"])
+                if key not in seen:
+                    seen.add(key)
+                    records.append(record)
+    return records
 
 
 @torch.no_grad()
