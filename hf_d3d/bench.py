@@ -67,22 +67,47 @@ def run_bench(
         raise ValueError("method assisted_ar needs an autoregressive drafter (--ar-drafter)")
     if any(m.startswith("d3d") for m in methods) and drafter is None:
         raise ValueError("d3d methods need a D3D drafter")
-    runners = {m: _runner(m, target, drafter, ar_drafter, max_new_tokens) for m in methods}
+    runners = {
+        m: (_runner(m, target, drafter, ar_drafter, max_new_tokens), drafter if m.startswith("d3d") else None)
+        for m in methods
+    }
+    return run_methods(target, runners, prompts_ids, max_new_tokens, warmup)
+
+
+Runner = Callable[[torch.Tensor], torch.Tensor]
+
+
+@torch.no_grad()
+def run_methods(
+    target: PreTrainedModel,
+    runners: dict[str, tuple[Runner, PreTrainedModel | None]],
+    prompts_ids: list[list[int]],
+    max_new_tokens: int,
+    warmup: int = 1,
+) -> dict:
+    """Time named ``runners`` (one must be ``plain``) alternately on every prompt, after a warm-up.
+
+    Each runner comes with the D3D drafter whose ``last_stats`` describe its last call, or None.
+    """
+    if "plain" not in runners:
+        raise ValueError("the runners need a 'plain' entry: every speedup is measured against it in the same run")
+    methods = list(runners)
     for ids in prompts_ids[:warmup]:  # warm-up: first-call overheads (allocations, lazy init) stay out of timings
-        for m in methods:
-            runners[m](torch.tensor([ids], device=target.device))
+        for run, _ in runners.values():
+            run(torch.tensor([ids], device=target.device))
     records = {m: [] for m in methods}
     for p, ids in enumerate(tqdm(prompts_ids, desc="bench")):
         x = torch.tensor([ids], device=target.device)
         order = methods[p % len(methods) :] + methods[: p % len(methods)]
         outs = {}
         for m in order:
+            run, stats_from = runners[m]
             start = time.perf_counter()
             with count_forwards(target) as calls:
-                out = runners[m](x)
+                out = run(x)
             seconds = time.perf_counter() - start
             outs[m] = out
-            stats = drafter.last_stats if m.startswith("d3d") else None
+            stats = stats_from.last_stats if stats_from is not None else None
             records[m].append(
                 {
                     "prompt": p,

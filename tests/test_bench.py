@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import make_drafter, tiny_target
@@ -46,3 +47,25 @@ def test_bench_flags_a_non_identical_method(monkeypatch):
     assert result["methods"]["d3d_fast"]["identical_to_plain"] is False
     assert result["all_identical"] is False
     assert result["methods"]["plain"]["identical_to_plain"] is True
+
+
+def test_run_methods_times_any_named_runners(oracle):
+    target = tiny_target("llama")
+    oracle.target = target  # every draft is right, so a round accepts exactly its draft length
+    drafter = make_drafter(target, block_size=4)
+    plain = (lambda x: target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False), None)
+
+    def fast(k):
+        def run(x):
+            drafter.generation_config.num_assistant_tokens = k
+            return bench.speculative_generate(target, drafter, x, max_new_tokens=8)
+
+        return run, drafter
+
+    result = bench.run_methods(target, {"plain": plain, "k1": fast(1), "k4": fast(4)}, [[5, 6, 7], [8, 9]], 8)
+    assert list(result["methods"]) == ["plain", "k1", "k4"] and result["all_identical"]
+    for key, k in (("k1", 1), ("k4", 4)):
+        lengths = [a for r in result["records"][key] for a in r["acceptance_lengths"]]
+        assert lengths and max(lengths) == k  # each runner's own drafter stats, at its own draft length
+    with pytest.raises(ValueError, match="'plain'"):
+        bench.run_methods(target, {"k1": fast(1)}, [[5, 6]], 8)
