@@ -8,6 +8,7 @@ Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate,
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -91,10 +92,13 @@ def speculative_generate(
     drafter.last_stats = gen.stats
     # The same knob as in generate(assistant_model=...): draft (and verify) at most this many tokens per round.
     per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
+    # Only the k + 1 verified positions need the LM head; at prefill that skips the whole prompt's rows.
+    trims_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
     while seq.shape[1] < limit:
         cand, q_scores = gen.get_candidates(seq, max_new_tokens=min(per_round, limit - seq.shape[1] - 1))
         k = cand.shape[1] - seq.shape[1]
-        logits = target(cand[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True).logits
+        keep = {"logits_to_keep": k + 1} if trims_logits else {}
+        logits = target(cand[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True, **keep).logits
         logits = logits[0, -(k + 1) :].float()
         if len(procs):
             for i in range(k + 1):  # processors see exactly the prefix each position was predicted from

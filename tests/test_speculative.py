@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -170,3 +172,24 @@ def test_num_assistant_tokens_caps_the_draft_in_both_paths(oracle):
     )
     assert torch.equal(out, plain(target, x, 20, None))
     assert max(drafter.last_stats.acceptance_lengths) == 3  # transformers asks for num_assistant_tokens too
+
+
+def test_fast_loop_computes_logits_only_for_verified_positions():
+    """The prompt's prefill needs the LM head at the verified positions only, not at every prompt token."""
+    target = tiny_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    rows = []
+    forward = target.forward
+
+    @functools.wraps(forward)  # keeps the signature the loop inspects
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        rows.append(out.logits.shape[1])
+        return out
+
+    target.forward = recording
+    prompt = torch.arange(5, 45).unsqueeze(0)  # 40 prompt tokens
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=10)
+    del target.forward
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=10, do_sample=False))
+    assert rows and max(rows) <= 5  # at most the 4 drafts + 1, never the 40 prompt rows
