@@ -16,7 +16,15 @@ def _cmd_distill(args: argparse.Namespace) -> None:
     # The slice is part of the source, so two folders from one prompt set say which prompts each holds.
     skip = args.skip_prompts
     source = f"{args.prompts}[{skip}:{skip + len(prompts)}]" if skip else args.prompts
-    target, tokenizer = load_target(args.target)
+    if args.backend == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
+        from transformers import AutoTokenizer
+
+        from hf_d3d.targets import resolve_target
+
+        target = resolve_target(args.target)
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    else:
+        target, tokenizer = load_target(args.target)
     cfg = DistillConfig(
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
@@ -24,7 +32,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         seed=args.seed,
     )
-    out = distill(target, tokenizer, prompts, args.out, cfg, source=source)
+    out = distill(target, tokenizer, prompts, args.out, cfg, source=source, backend=args.backend)
     print(f"distillation data ready in {out}")
 
 
@@ -248,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--backend",
+        default="transformers",
+        choices=["transformers", "vllm"],
+        help="vllm: its offline engine for large targets on GPUs (when installed); use a large --batch-size",
+    )
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_distill)
 

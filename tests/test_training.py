@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from conftest import make_drafter, tiny_target
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.train import trainer
-from hf_d3d.train.distill import DistillConfig, distill, load_records
+from hf_d3d.train.distill import DistillConfig, distill, load_records, transformers_backend
 from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
 from hf_d3d.train.trainer import TrainConfig, train, validate_records
 
@@ -73,6 +75,42 @@ def test_several_folders_merge_without_repeats(toy, tmp_path):
     (b / "meta.json").write_text(json.dumps({**meta, "target": "/elsewhere/Other-Model"}))
     with pytest.raises(ValueError, match="Other-Model"):
         load_records(a, b)
+
+
+def test_vllm_backend_gives_the_transformers_records(toy, tmp_path, monkeypatch):
+    """The vLLM adapter (prompt format, sampling params, outputs, EOS cut) on a stand-in engine with vLLM's API."""
+    target, prompts = toy
+    target.save_pretrained(tmp_path / "target")
+    seen = {}
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    class LLM:  # answers like vLLM's offline engine, computing with the same model through transformers
+        def __init__(self, model, **kw):
+            seen["model"] = model
+            self.run = transformers_backend(type(target).from_pretrained(model), 0, cfg)
+
+        def generate(self, requests, params, use_tqdm=True):
+            seen["params"] = params.__dict__
+            outs = self.run([r["prompt_token_ids"] for r in requests])
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=tuple(o))]) for o in outs]
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    cfg = DistillConfig(max_new_tokens=10, batch_size=4)
+    distill(target, ToyTokenizer(), prompts[:6], tmp_path / "hf", cfg)
+    distill(str(tmp_path / "target"), ToyTokenizer(), prompts[:6], tmp_path / "vllm", cfg, backend="vllm")
+    assert seen["model"] == str(tmp_path / "target")
+    assert seen["params"]["temperature"] == 0.0 and seen["params"]["max_tokens"] == 10
+    assert load_records(tmp_path / "vllm") == load_records(tmp_path / "hf")
+    assert json.loads((tmp_path / "vllm" / "meta.json").read_text())["backend"] == "vllm"
+    with pytest.raises(TypeError, match="Hub id or folder"):
+        distill(target, ToyTokenizer(), prompts[:2], tmp_path / "x", cfg, backend="vllm")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed
+    with pytest.raises(ModuleNotFoundError, match="pip install vllm"):
+        distill(str(tmp_path / "target"), ToyTokenizer(), prompts[:2], tmp_path / "y", cfg, backend="vllm")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()  # nothing half-written
 
 
 def test_loss_masks():

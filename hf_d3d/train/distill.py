@@ -3,18 +3,20 @@
 Output folder layout: ``records.jsonl`` (one ``{"idx", "prompt_ids", "response_ids"}`` per line, appended and
 flushed batch by batch, so an interrupted run resumes where it stopped) and ``meta.json``, written atomically only
 when every prompt is done. A folder without ``meta.json`` is an unfinished run, never mistaken for a dataset.
+Generation runs through ``target.generate`` (batched) or, for large targets on GPUs, vLLM's offline engine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_d3d.atomic import write_json_atomic
 
@@ -39,6 +41,13 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int
         )
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
     return tokenizer(prompt)["input_ids"]
+
+
+def _generation_config(path: str) -> GenerationConfig | None:
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: the tokenizer's EOS is used
+        return None
 
 
 def _read_done(records: Path) -> set[int]:
@@ -88,27 +97,92 @@ def load_records(*folders: str | Path) -> list[dict]:
     return records
 
 
-@torch.no_grad()
+# A backend turns a batch of prompt ids into continuations (which may run on past an EOS; the caller cuts them).
+Backend = Callable[[list[list[int]]], list[list[int]]]
+
+
+def transformers_backend(target: PreTrainedModel, pad_id: int, config: DistillConfig) -> Backend:
+    """Batched ``target.generate`` with left padding (the default backend)."""
+
+    @torch.no_grad()
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        width = max(len(ids) for ids in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):  # left padding keeps every prompt's last token at the same column
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        return target.generate(
+            input_ids=ids.to(target.device),
+            attention_mask=mask.to(target.device),
+            max_new_tokens=config.max_new_tokens,
+            do_sample=config.do_sample,
+            temperature=config.temperature if config.do_sample else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+        )[:, width:].tolist()
+
+    return run
+
+
+def vllm_backend(model: str, config: DistillConfig, **engine_kwargs) -> Backend:
+    """vLLM's offline ``LLM`` engine for large targets on GPUs (greedy, or plain temperature sampling)."""
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            "--backend vllm needs vLLM (`pip install vllm` on a CUDA machine); use --backend transformers here."
+        ) from err
+    llm = LLM(model=model, **engine_kwargs)
+    params = SamplingParams(
+        max_tokens=config.max_new_tokens,
+        temperature=config.temperature if config.do_sample else 0.0,
+        top_p=1.0,
+        top_k=-1,
+        seed=config.seed if config.do_sample else None,
+    )
+
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outs]
+
+    return run
+
+
 def distill(
-    target: PreTrainedModel,
+    target: PreTrainedModel | str,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     out_dir: str | Path,
     config: DistillConfig | None = None,
     source: str = "",
+    backend: str = "transformers",
 ) -> Path:
-    """Generate the target's responses to ``prompts`` into ``out_dir``; resumes a partial run of the same prompts."""
+    """Generate the target's responses to ``prompts`` into ``out_dir``; resumes a partial run of the same prompts.
+
+    ``target`` is a loaded model for the ``transformers`` backend, or a Hub id / folder for ``vllm``.
+    """
     config = config or DistillConfig()
     if not prompts:
         raise ValueError("No prompts to distill.")
+    if backend not in ("transformers", "vllm"):
+        raise ValueError(f"unknown backend {backend!r}; choose transformers or vllm")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if (out / META).exists():
         return out
+    if isinstance(target, str):
+        if backend != "vllm":
+            raise TypeError("the transformers backend needs a loaded model, not a name")
+        model_config, generation_config = AutoConfig.from_pretrained(target), _generation_config(target)
+    else:
+        if backend != "transformers":
+            raise TypeError("the vllm backend loads the target itself: pass its Hub id or folder")
+        model_config, generation_config = target.config, target.generation_config
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_ids = target.generation_config.eos_token_id
+    eos_ids = generation_config.eos_token_id if generation_config is not None else tokenizer.eos_token_id
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids] if eos_ids is not None else [])
-    limit = getattr(target.config, "max_position_embeddings", None)
+    limit = getattr(model_config, "max_position_embeddings", None)
 
     encoded = [chat_prompt_ids(tokenizer, p) for p in prompts]
     if limit is not None:
@@ -118,6 +192,8 @@ def distill(
                 f"{len(too_long)} prompts (first: #{too_long[0]}) plus max_new_tokens={config.max_new_tokens} exceed "
                 f"the target's context of {limit} tokens; shorten them or lower max_new_tokens."
             )
+    generate = vllm_backend(target, config) if backend == "vllm" else transformers_backend(target, pad_id, config)
+    out.mkdir(parents=True, exist_ok=True)
     done = _read_done(out / RECORDS)
     # Similar lengths in a batch waste less compute on padding; the order is deterministic so resume is exact.
     todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: (len(encoded[i]), i))
@@ -126,22 +202,7 @@ def distill(
     with open(out / RECORDS, "a", encoding="utf-8") as f, tqdm(total=len(encoded), initial=len(done)) as bar:
         for start in range(0, len(todo), config.batch_size):
             batch = todo[start : start + config.batch_size]
-            width = max(len(encoded[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(batch):  # left padding keeps every prompt's last token at the same column
-                ids[row, width - len(encoded[i]) :] = torch.tensor(encoded[i])
-                mask[row, width - len(encoded[i]) :] = 1
-            gen = target.generate(
-                input_ids=ids.to(target.device),
-                attention_mask=mask.to(target.device),
-                max_new_tokens=config.max_new_tokens,
-                do_sample=config.do_sample,
-                temperature=config.temperature if config.do_sample else None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=pad_id,
-            )[:, width:].tolist()
+            gen = generate([encoded[i] for i in batch])
             for row, i in enumerate(batch):
                 response = []
                 for tok in gen[row]:
@@ -166,7 +227,8 @@ def distill(
     write_json_atomic(
         out / META,
         {
-            "target": getattr(target.config, "name_or_path", ""),
+            "target": target if isinstance(target, str) else getattr(model_config, "name_or_path", ""),
+            "backend": backend,
             "source": source,
             "num_prompts": len(prompts),
             "num_records": n,
