@@ -151,6 +151,20 @@ def test_both_losses_decrease_and_tau_rises(toy, toy_data, tmp_path):
     assert after > before + 0.5  # the drafter learned the target's own continuations
 
 
+def test_a_bf16_checkpoint_trains_with_fp32_weights(toy, toy_data, tmp_path):
+    """Our checkpoints are stored in bf16; continuing from one must not update bf16 weights in place."""
+    target, _ = toy
+    start = make_drafter(target, block_size=4).to(torch.bfloat16)
+    cfg = TrainConfig(max_steps=3, batch_size=4, lr=1e-5, warmup_steps=0, save_every=1000, eval_every=1000)
+    final = type(start).from_pretrained(train(start, toy_data, tmp_path, cfg))
+    assert final.dtype == torch.float32
+    before = make_drafter(target, block_size=4).to(torch.bfloat16).float().state_dict()
+    name = "model.layers.0.mlp.down_proj.weight"
+    moved = (final.state_dict()[name] - before[name]).abs()
+    # lr 1e-5 moves each weight by ~1e-5: lost to bf16 rounding (spacing ~4e-3 near 1) but kept in fp32
+    assert 0 < moved.max() < 1e-3
+
+
 class Killed(Exception):
     pass
 
