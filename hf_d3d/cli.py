@@ -123,13 +123,46 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=target.dtype).to(target.device).eval()
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar)
-    result["command"] = "hf-d3d " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("hf-d3d") else None
+    result["command"] = (
+        f"hf-d3d bench --drafter {args.drafter or 'checkpoints/SmolLM2-135M-Instruct-D3D'}"
+        + (f" --target {args.target}" if args.target else "")
+        + (f" --ar-drafter {args.ar_drafter}" if args.ar_drafter else "")
+        + f" --prompts {args.prompts} --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
+        + f" --methods {','.join(methods)} --out {args.out}"
+    )
     result["prompts"] = args.prompts
     paths = write_outputs(result, args.out)
     print(Path(paths[1]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
     if not result["all_identical"]:
         raise SystemExit("FAILED: a method's greedy output differs from plain generate")
+    if args.write_metrics and "d3d_sync" in result["methods"]:
+        # The card's speedup is the generate(assistant_model=drafter) path, next to tau for the same prompt set.
+        sync = result["methods"]["d3d_sync"]
+        row = {"dataset": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens}
+        row |= {"tau": sync["tau"], "command": result["command"]}
+        path = _update_metrics(args.drafter, row, {"speedup": sync["speedup"], "speedup_command": result["command"]})
+        print(f"updated {path}")
+
+
+def _update_metrics(drafter: str | None, row: dict, always: dict | None = None) -> Path:
+    """Merge ``row`` into DRAFTER/d3d_metrics.json by dataset: a new dataset gets ``row``, a known one keeps its
+    measured tau and takes ``always`` (with no ``always``, ``row`` replaces it)."""
+    import json
+
+    from hf_d3d.atomic import write_json_atomic
+    from hf_d3d.targets import DEFAULT_DRAFTER
+
+    path = Path(drafter or DEFAULT_DRAFTER) / "d3d_metrics.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    rows = old.get("rows", [])
+    known = [r for r in rows if r["dataset"] == row["dataset"]]
+    if known and always is not None:
+        known[0].update(always)
+    else:
+        rows = [r for r in rows if r["dataset"] != row["dataset"]] + [{**row, **(always or {})}]
+    write_json_atomic(path, {**old, "rows": rows})
+    return path
 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
@@ -150,9 +183,7 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval_tau(args: argparse.Namespace) -> None:
-    import json
 
-    from hf_d3d.atomic import write_json_atomic
     from hf_d3d.checks import check_pair
     from hf_d3d.evaluate import measure_tau
     from hf_d3d.prompts import load_prompts
@@ -187,10 +218,8 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         hit = f", hit rate {res['hit_rate']:.1%}" if res["hit_rate"] is not None else ""
         print(f"{source}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens){hit}")
     if args.write_metrics:
-        path = Path(args.drafter) / "d3d_metrics.json"
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        keep = [r for r in old.get("rows", []) if r["dataset"] not in {r2["dataset"] for r2 in rows}]
-        write_json_atomic(path, {**old, "rows": keep + rows})
+        for row in rows:
+            path = _update_metrics(args.drafter, row)
         print(f"updated {path}")
 
 
@@ -313,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="plain,prompt_lookup,d3d_sync,d3d_async,d3d_fast")
     p.add_argument("--out", required=True, help="RESULT.json (a .md table and a .png plot are written beside it)")
+    p.add_argument(
+        "--write-metrics", action="store_true", help="record d3d_sync's speedup in DRAFTER/d3d_metrics.json (card)"
+    )
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("eval-tau", help="measure a drafter's tau (greedy) on prompt sets")

@@ -2,7 +2,8 @@
 # Reproduce the README's CPU numbers: SmolLM2-135M-Instruct + the committed drafter, GSM8K test prompts,
 # greedy, 128 new tokens, every method side by side in one run (alternating, warm-up, medians).
 # The autoregressive peer is the committed drafter's own next-token path (same size, same data, same training run)
-# exported as a plain LlamaForCausalLM; it is built once into ~/.cache/hf_d3d.
+# exported as a plain LlamaForCausalLM; it is built once into ~/.cache/hf_d3d. The d3d_sync speedup goes into the
+# drafter's d3d_metrics.json (its card).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NUM_PROMPTS="${NUM_PROMPTS:-10}"
@@ -11,4 +12,5 @@ AR_PEER="${AR_PEER:-$HOME/.cache/hf_d3d/ar-peer-$(basename "$DRAFTER")}"
 [ -d "$AR_PEER" ] || .venv/bin/hf-d3d export-ar --drafter "$DRAFTER" --out "$AR_PEER"
 .venv/bin/hf-d3d bench --drafter "$DRAFTER" --ar-drafter "$AR_PEER" --prompts gsm8k:test \
     --num-prompts "$NUM_PROMPTS" --max-new-tokens 128 \
-    --methods plain,assisted_ar,prompt_lookup,d3d_sync,d3d_async,d3d_fast --out results/bench_cpu_gsm8k.json
+    --methods plain,assisted_ar,prompt_lookup,d3d_sync,d3d_async,d3d_fast --out results/bench_cpu_gsm8k.json \
+    --write-metrics

@@ -90,3 +90,22 @@ def test_publish_without_token_or_network_fails_clearly(checkpoint, tmp_path, mo
     with pytest.raises(PublishError, match="cannot reach the Hub"):
         publish(folder, "someone/x", token="hf_not_a_real_token", endpoint="http://127.0.0.1:9")
     assert main(["publish", str(checkpoint), "--repo-id", "someone/x", "--folder", str(tmp_path / "hub2")]) == 2
+
+
+def test_metrics_rows_merge_by_dataset(tmp_path):
+    from hf_d3d.cli import _update_metrics
+
+    tau_row = {"dataset": "gsm8k:test", "tau": 1.8, "command": "hf-d3d eval-tau ..."}
+    _update_metrics(str(tmp_path), tau_row)
+    _update_metrics(str(tmp_path), {"dataset": "humaneval", "tau": 1.1, "command": "c"})
+    bench_row = {"dataset": "gsm8k:test", "tau": 1.7, "command": "hf-d3d bench ..."}
+    _update_metrics(str(tmp_path), bench_row, {"speedup": 1.2, "speedup_command": "hf-d3d bench ..."})
+    rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
+    # the bench adds its speedup to the measured row; eval-tau's tau and command stay
+    assert rows[0] == {**tau_row, "speedup": 1.2, "speedup_command": "hf-d3d bench ..."}
+    _update_metrics(str(tmp_path), {"dataset": "gsm8k:test", "tau": 1.9, "command": "again"})
+    rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
+    assert [r["dataset"] for r in rows] == ["humaneval", "gsm8k:test"]
+    assert "speedup" not in rows[1]  # a new tau measurement drops a speedup measured for an older drafter
+    _update_metrics(str(tmp_path), {"dataset": "sharegpt", "tau": 1.3, "command": "b"}, {"speedup": 1.05})
+    assert json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"][-1]["speedup"] == 1.05
