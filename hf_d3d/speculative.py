@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel, StaticCache
 from transformers.generation import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -45,6 +45,32 @@ def _eos_set(eos_token_id) -> set[int]:
     return set(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else {int(eos_token_id)}
 
 
+def _target_cache(target: PreTrainedModel, kind: str, max_len: int) -> Cache:
+    if kind == "dynamic":
+        return DynamicCache()
+    if kind != "static":
+        raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {kind!r}")
+    layer_types = getattr(target.config, "layer_types", None) or []
+    if getattr(target.config, "sliding_window", None) and any(t != "full_attention" for t in layer_types or ["?"]):
+        # a sliding-window static layer is a ring buffer: moving its write position back is not a rollback
+        raise ValueError("cache_implementation='static' supports full-attention targets only; use 'dynamic'")
+    return StaticCache(config=target.config, max_cache_len=max_len)
+
+
+def _truncate(cache: Cache, keep: int, held: int) -> None:
+    """Drop cached positions from ``keep`` on; the cache holds ``held``.
+
+    A static cache just moves its write position back: the causal mask hides what lies beyond it until the next
+    pass overwrites it.
+    """
+    if isinstance(cache, StaticCache):
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(keep)
+    elif held > keep:
+        cache.crop(keep - held)
+
+
 @torch.no_grad()
 def speculative_generate(
     target: PreTrainedModel,
@@ -63,6 +89,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     on_round: Callable[[list[int], int, list[int]], None] | None = None,
     stopping_criteria=None,
+    cache_implementation: str = "dynamic",
 ) -> torch.LongTensor:
     """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
 
@@ -70,6 +97,8 @@ def speculative_generate(
     ``drafter.generation_config.num_assistant_tokens`` tokens (the block size unless lowered). Statistics of the
     call (every round counted) are in ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called
     after each verification (the Space uses it to colour accepted and rejected draft tokens).
+    ``cache_implementation="static"`` preallocates the target's KV cache for the whole decode (a fixed-shape
+    cache, as torch.compile and CUDA graphs want); rejected positions are then overwritten rather than freed.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
@@ -87,7 +116,10 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(seq.cpu())
     limit = seq.shape[1] + max_new_tokens
-    cache = DynamicCache()  # the first verify pass also prefills the prompt, so each round is one target forward
+    # The first verify pass also prefills the prompt, so each round is one target forward. ``cached`` counts the
+    # positions the cache holds for us: every committed token but the last, which the next verify pass re-reads.
+    cache = _target_cache(target, cache_implementation, limit)
+    cached = 0
     gen = D3DCandidateGenerator(drafter, procs, do_sample=do_sample, async_drafting=async_drafting)
     drafter.last_stats = gen.stats
     # The same knob as in generate(assistant_model=...): draft (and verify) at most this many tokens per round.
@@ -98,7 +130,7 @@ def speculative_generate(
         cand, q_scores = gen.get_candidates(seq, max_new_tokens=min(per_round, limit - seq.shape[1] - 1))
         k = cand.shape[1] - seq.shape[1]
         keep = {"logits_to_keep": k + 1} if trims_logits else {}
-        logits = target(cand[:, cache.get_seq_length() :], past_key_values=cache, use_cache=True, **keep).logits
+        logits = target(cand[:, cached:], past_key_values=cache, use_cache=True, **keep).logits
         logits = logits[0, -(k + 1) :].float()
         if len(procs):
             for i in range(k + 1):  # processors see exactly the prefix each position was predicted from
@@ -125,7 +157,8 @@ def speculative_generate(
         if on_round is not None:
             on_round(draft.tolist(), min(n, len(new)), new)
         seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
-        cache.crop(-(cache.get_seq_length() - (seq.shape[1] - 1)))
+        cached = seq.shape[1] - 1
+        _truncate(cache, cached, cand.shape[1])
         if streamer is not None:
             streamer.put(torch.tensor(new))
         if stop:
@@ -161,4 +194,5 @@ def d3d_generate(
         attention_mask=model_kwargs.get("attention_mask"),
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
+        cache_implementation=generation_config.cache_implementation or "dynamic",
     )

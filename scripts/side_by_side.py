@@ -1,9 +1,10 @@
 """Fast-loop speed of several drafter settings side by side with plain greedy, in one run.
 
 Usage: python scripts/side_by_side.py SPEC [SPEC ...] [--num-prompts N] [--out RESULT.json]. SPEC is a drafter
-folder, optionally ``@K`` to draft K tokens per round (default: its shipped ``num_assistant_tokens``). GSM8K test
-prompts, timed by ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that
-differs from plain greedy.
+folder, optionally ``@K`` to draft K tokens per round (default: its shipped ``num_assistant_tokens``) and
+``+static`` for a preallocated target cache (``cache_implementation="static"``). GSM8K test prompts, timed by
+``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
+greedy.
 """
 
 import argparse
@@ -27,10 +28,10 @@ target, tok = load_target()
 loaded = {}
 
 
-def fast(drafter, k):
+def fast(drafter, k, cache):
     def run(x):
         drafter.generation_config.num_assistant_tokens = k
-        return speculative_generate(target, drafter, x, max_new_tokens=args.max_new_tokens)
+        return speculative_generate(target, drafter, x, max_new_tokens=args.max_new_tokens, cache_implementation=cache)
 
     return run
 
@@ -44,12 +45,13 @@ runners = {
     )
 }
 for spec in args.specs:
-    path, _, k = spec.partition("@")
+    spec_path, plus, cache = spec.partition("+")
+    path, _, k = spec_path.partition("@")
     if path not in loaded:
         drafter = load_drafter(path)
         loaded[path] = (drafter, drafter.generation_config.num_assistant_tokens)  # as shipped, before any spec
     drafter, shipped = loaded[path]
-    runners[spec] = (fast(drafter, int(k) if k else shipped), drafter)
+    runners[spec] = (fast(drafter, int(k) if k else shipped, cache if plus else "dynamic"), drafter)
 questions = load_prompts("gsm8k:test", "question", args.num_prompts)
 result = run_methods(target, runners, [chat_prompt_ids(tok, q) for q in questions], args.max_new_tokens)
 print(markdown_table(result))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,8 +37,9 @@ def plain(target, x, max_new, eos):
     noise=st.sampled_from([None, 0.0, 0.3]),
     async_drafting=st.booleans(),
     eos_at=st.one_of(st.none(), st.integers(0, 39)),
+    cache=st.sampled_from(["dynamic", "static"]),
 )
-def test_fast_loop_equals_plain_greedy(oracle, family, block, prompt, max_new, noise, async_drafting, eos_at):
+def test_fast_loop_equals_plain_greedy(oracle, family, block, prompt, max_new, noise, async_drafting, eos_at, cache):
     target, drafter = TARGETS[family], DRAFTERS[(family, block)]
     if noise is not None:  # None: the untrained drafter itself; else an oracle that is right with prob 1 - noise
         oracle.target, oracle.noise = target, noise
@@ -49,14 +51,21 @@ def test_fast_loop_equals_plain_greedy(oracle, family, block, prompt, max_new, n
         eos = int(plain(target, x, 40, None)[0, x.shape[1] + eos_at])
     ref = plain(target, x, max_new, eos)
     out = speculative_generate(
-        target, drafter, x, max_new_tokens=max_new, eos_token_id=eos, async_drafting=async_drafting
+        target,
+        drafter,
+        x,
+        max_new_tokens=max_new,
+        eos_token_id=eos,
+        async_drafting=async_drafting,
+        cache_implementation=cache,
     )
     assert torch.equal(out, ref)
     stats = drafter.last_stats
     assert stats.committed_tokens == out.shape[1] - x.shape[1]  # every round is counted in the fast loop
 
 
-def test_custom_generate_entry_point():
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_custom_generate_entry_point(cache):
     target, drafter = TARGETS["qwen3"], DRAFTERS[("qwen3", 4)]
     x = torch.tensor([[9, 10, 11, 12]])
     ref = plain(target, x, 20, 3)
@@ -68,8 +77,18 @@ def test_custom_generate_entry_point():
         do_sample=False,
         custom_generate=d3d_generate,
         drafter=drafter,
+        cache_implementation=cache,
     )
     assert torch.equal(out, ref)
+
+
+def test_static_cache_refuses_sliding_window_targets():
+    target = tiny_target("llama")
+    target.config.sliding_window = 8  # a ring-buffer cache layer cannot be rolled back by moving its position
+    with pytest.raises(ValueError, match="full-attention targets only"):
+        speculative_generate(target, make_drafter(target), torch.tensor([[5, 6]]), 4, cache_implementation="static")
+    with pytest.raises(ValueError, match="'dynamic' or 'static'"):
+        speculative_generate(target, make_drafter(target), torch.tensor([[5, 6]]), 4, cache_implementation="paged")
 
 
 def test_fast_loop_tau_counts_target_forwards(oracle):
