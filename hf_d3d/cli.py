@@ -75,6 +75,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         max_ar_positions=None if autoregressive else TrainConfig.max_ar_positions,
         slot_decay=args.slot_decay,
         freeze_embeddings=not args.train_embeddings,
+        draft_vocab_loss=not args.full_vocab_loss,
         mixed_precision=args.mixed_precision,
         eval_every=args.eval_every,
         save_every=args.save_every,
@@ -321,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-decay", type=float, default=0.8)
     p.add_argument(
         "--train-embeddings", action="store_true", help="also train embeddings / LM head (frozen by default)"
+    )
+    p.add_argument(
+        "--full-vocab-loss",
+        action="store_true",
+        help="train over the full vocabulary even when the drafter has a draft vocabulary (the default trains the "
+        "softmax it proposes from)",
     )
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument("--eval-prompts", default="gsm8k:test")

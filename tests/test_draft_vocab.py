@@ -218,3 +218,51 @@ def test_gathered_head_follows_new_draft_vocab_ids_loaded_in_place():
         a(x, use_cache=False)  # gathers a's rows
         a.load_state_dict(b.state_dict())  # same shapes, new ids copied into the same buffer
         torch.testing.assert_close(a(x, use_cache=False).logits, b(x, use_cache=False).logits)
+
+
+def test_training_loss_is_the_softmax_over_the_draft_vocab():
+    """draft_logits trains exactly the distribution the drafter proposes from; other tokens carry no loss."""
+    from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
+
+    target = TARGETS["llama"]
+    drafter = restricted(target).train()
+    outside = next(t for t in range(VOCAB) if t not in VOCAB_IDS)
+    records = [{"idx": 0, "prompt_ids": [5, 6, 7], "response_ids": [9, 12, outside, 15, 18, 21, 24, 27]}]
+    batch = make_batch(records, 4, 3, 0, 0, torch.Generator().manual_seed(0))
+    index = torch.full((VOCAB,), IGNORE)
+    index[drafter.draft_vocab] = torch.arange(len(drafter.draft_vocab))
+    loss, metrics = d3d_loss(drafter, batch, 0.5, 0.8, vocab_index=index)
+
+    has = batch.labels != IGNORE
+    full = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has).logits
+    sub = full[:, drafter.draft_vocab]
+    torch.testing.assert_close(
+        drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has, draft_logits=True).logits,
+        sub,
+    )
+    labels, slot = index[batch.labels[has]], batch.layout.is_slot[has]
+    ce = torch.nn.functional.cross_entropy(sub.float(), labels.clamp_min(0), reduction="none")
+    w = 0.8 ** batch.slot_index[has][slot].float() * (labels[slot] != IGNORE)
+    ar_mask = ~slot & (labels != IGNORE)
+    want = (ce[slot] * w).sum() / w.sum() + 0.5 * ce[ar_mask].mean()
+    torch.testing.assert_close(loss, want)
+    assert (batch.labels[has] == outside).any()  # the outside token was a label, and it was left out above
+    with pytest.raises(ValueError, match="needs a draft vocabulary"):
+        make_drafter(target)(batch.input_ids, layout=batch.layout, use_cache=False, draft_logits=True)
+
+
+def test_training_a_drafter_with_a_draft_vocab_keeps_it(tmp_path, monkeypatch):
+    from hf_d3d.train import trainer
+
+    target = TARGETS["llama"]
+    seen = []
+    real_loss = trainer.d3d_loss
+    monkeypatch.setattr(trainer, "d3d_loss", lambda *a: seen.append(a[-1]) or real_loss(*a))
+    records = [{"idx": i, "prompt_ids": [5, 6, 7 + i], "response_ids": [9, 12, 15, 18, 21, EOS]} for i in range(4)]
+    cfg = trainer.TrainConfig(max_steps=2, batch_size=2, save_every=1000, eval_every=1000)
+    final = D3DDrafterModel.from_pretrained(trainer.train(restricted(target), records, tmp_path / "a", cfg))
+    assert final.draft_vocab.tolist() == sorted(set(VOCAB_IDS))
+    assert seen[0] is not None and seen[0][VOCAB_IDS[1]] == 1  # token id -> its place in the draft vocabulary
+    cfg.draft_vocab_loss = False
+    trainer.train(restricted(target), records, tmp_path / "b", cfg)
+    assert seen[-1] is None

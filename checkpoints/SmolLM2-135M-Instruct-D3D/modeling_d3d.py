@@ -211,12 +211,15 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         past_key_values: DynamicCache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        draft_logits: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run context tokens and draft blocks described by ``layout``; without one, a plain causal LM pass.
 
         ``logits_to_keep``: an int keeps the last n positions (0 = all); an index tensor keeps those positions; a
         boolean ``[batch, T]`` tensor keeps the marked positions, flattened to ``[N, vocab]`` (training).
+        ``draft_logits``: logits over the draft vocabulary only, ``[..., draft_vocab_size]`` in its order (training
+        the distribution the drafter proposes from, at a sixth of the head's cost for 8k of 49k tokens).
         """
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if layout is None:
@@ -235,12 +238,17 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             hidden = hidden[logits_to_keep]
         else:
             hidden = hidden[:, logits_to_keep]
+        if draft_logits:
+            if self.config.draft_vocab_size is None:
+                raise ValueError("draft_logits=True needs a draft vocabulary (set_draft_vocab)")
+            logits = F.linear(hidden, self.lm_head.weight.index_select(0, self.draft_vocab))
+            return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         return CausalLMOutputWithPast(logits=self._logits(hidden), past_key_values=past_key_values)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``."""
         if self.training or self.config.draft_vocab_size is None:
-            return self.lm_head(hidden)  # training learns the full distribution
+            return self.lm_head(hidden)  # training asks for draft_logits explicitly
         weight, ids = self.lm_head.weight, self.draft_vocab
         # The gathered rows are reused until the head or the ids change (device, dtype or an in-place update;
         # tensors made under inference_mode have no version counter and cannot be updated in place outside it).

@@ -82,23 +82,40 @@ def make_batch(
 
 
 def d3d_loss(
-    drafter: torch.nn.Module, batch: D3DBatch, ar_weight: float = 0.5, slot_decay: float = 0.8
+    drafter: torch.nn.Module,
+    batch: D3DBatch,
+    ar_weight: float = 0.5,
+    slot_decay: float = 0.8,
+    vocab_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Total loss = slot-weighted denoising CE + ``ar_weight`` * next-token CE. Logits only where there is a label."""
-    has_label = batch.labels != IGNORE
-    # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
-    logits = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has_label).logits.float()
-    labels, is_slot, slot_index = batch.labels[has_label], batch.layout.is_slot[has_label], batch.slot_index[has_label]
+    """Total loss = slot-weighted denoising CE + ``ar_weight`` * next-token CE. Logits only where there is a label.
 
-    slot_logits = logits[is_slot]
-    slot_ce = F.cross_entropy(slot_logits, labels[is_slot], reduction="none")
+    ``vocab_index`` (token id -> position in the drafter's draft vocabulary, ``IGNORE`` outside it) trains the
+    softmax over the draft vocabulary, which is exactly what the drafter proposes from; tokens outside it, which
+    it can never propose, carry no loss.
+    """
+    has_label = batch.labels != IGNORE
+    restrict = {"draft_logits": True} if vocab_index is not None else {}
+    # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
+    out = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has_label, **restrict)
+    logits = out.logits.float()
+    labels, is_slot, slot_index = batch.labels[has_label], batch.layout.is_slot[has_label], batch.slot_index[has_label]
+    if vocab_index is not None:
+        labels = vocab_index[labels]
+
+    slot_logits, slot_labels = logits[is_slot], labels[is_slot]
+    slot_ce = F.cross_entropy(slot_logits, slot_labels, reduction="none", ignore_index=IGNORE)
     # Early slots decide how many tokens are accepted, so they weigh more.
-    weights = slot_decay ** slot_index[is_slot].float()
+    weights = slot_decay ** slot_index[is_slot].float() * (slot_labels != IGNORE)
     denoise = (slot_ce * weights).sum() / weights.sum().clamp_min(1e-6)
-    ar = F.cross_entropy(logits[~is_slot], labels[~is_slot]) if (~is_slot).any() else logits.sum() * 0
+    ar_labels = labels[~is_slot]
+    if (ar_labels != IGNORE).any():
+        ar = F.cross_entropy(logits[~is_slot], ar_labels, ignore_index=IGNORE)
+    else:
+        ar = logits.sum() * 0
     total = denoise + ar_weight * ar
     with torch.no_grad():
-        slot0 = slot_index[is_slot] == 0
-        acc0 = (slot_logits[slot0].argmax(-1) == labels[is_slot][slot0]).float().mean() if slot0.any() else 0
+        slot0 = (slot_index[is_slot] == 0) & (slot_labels != IGNORE)
+        acc0 = (slot_logits[slot0].argmax(-1) == slot_labels[slot0]).float().mean() if slot0.any() else 0
     metrics = {"loss": total.item(), "denoise": denoise.item(), "ar": ar.item(), "slot0_acc": float(acc0)}
     return total, metrics

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 from hf_d3d.atomic import atomic_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-from hf_d3d.train.objective import d3d_loss, make_batch
+from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
 
 CHECKPOINT = "checkpoint"
 FINAL = "final"
@@ -41,6 +41,8 @@ class TrainConfig:
     slot_decay: float = 0.8
     max_ar_positions: int | None = 64
     freeze_embeddings: bool = True
+    # With a draft vocabulary, train the softmax the drafter proposes from (and skip most of the LM head).
+    draft_vocab_loss: bool = True
     mixed_precision: str = "no"
     eval_every: int = 200
     save_every: int = 100
@@ -154,6 +156,12 @@ def train(
         gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
         return make_batch(chosen, dcfg.block_size, config.num_blocks, pad_id, fill_id, gen, config.max_ar_positions)
 
+    vocab_index = None
+    if config.draft_vocab_loss and dcfg.draft_vocab_size is not None:
+        vocab_index = torch.full((dcfg.vocab_size,), IGNORE, dtype=torch.long)
+        vocab_index[drafter.draft_vocab.cpu()] = torch.arange(dcfg.draft_vocab_size)
+        vocab_index = vocab_index.to(accelerator.device)
+
     bar = tqdm(total=config.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
     while step < config.max_steps:
         metrics = {}
@@ -165,7 +173,7 @@ def train(
             for name in ("position_ids", "block_ids", "is_slot", "anchors"):
                 setattr(batch.layout, name, getattr(batch.layout, name).to(accelerator.device))
             with accelerator.accumulate(model):
-                loss, metrics = d3d_loss(model, batch, config.ar_weight, config.slot_decay)
+                loss, metrics = d3d_loss(model, batch, config.ar_weight, config.slot_decay, vocab_index)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, 1.0)
