@@ -111,6 +111,11 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     unknown = set(methods) - set(ALL_METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS}")
+    if args.write_metrics:  # refuse before the run, not after it
+        if "d3d_sync" not in methods:
+            raise ValueError("--write-metrics records d3d_sync's speedup: include d3d_sync in --methods")
+        if args.drafter and not Path(args.drafter).is_dir():
+            raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
     prompts = load_prompts(args.prompts, args.field, args.num_prompts)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
@@ -125,10 +130,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar)
     result["command"] = (
-        f"hf-d3d bench --drafter {args.drafter or 'checkpoints/SmolLM2-135M-Instruct-D3D'}"
+        "hf-d3d bench"
+        + (f" --drafter {args.drafter}" if args.drafter else "")
         + (f" --target {args.target}" if args.target else "")
         + (f" --ar-drafter {args.ar_drafter}" if args.ar_drafter else "")
-        + f" --prompts {args.prompts} --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
+        + f" --prompts {args.prompts}"
+        + (f" --field {args.field}" if args.field != "question" else "")
+        + f" --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
         + f" --methods {','.join(methods)} --out {args.out}"
     )
     result["prompts"] = args.prompts

@@ -83,8 +83,8 @@ def load_prompts(source: str, field: str = "question", limit: int | None = None,
 
     ``skip`` drops the first prompts (to extend a dataset with the next ones); ``limit`` counts after it.
     """
-    if skip < 0:
-        raise ValueError(f"skip must be >= 0, got {skip}")
+    if skip < 0 or (limit is not None and limit < 1):
+        raise ValueError(f"need skip >= 0 and limit >= 1 (or None), got skip={skip}, limit={limit}")
     prompts = _load(source, field, None if limit is None else skip + limit)[skip:]
     if not prompts:
         raise ValueError(f"{source} has no prompts" + (f" after skipping the first {skip}" if skip else ""))

@@ -9,10 +9,12 @@ Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate,
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, StaticCache
+from transformers.cache_utils import StaticLayer
 from transformers.generation import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -50,11 +52,15 @@ def _target_cache(target: PreTrainedModel, kind: str, max_len: int) -> Cache:
         return DynamicCache()
     if kind != "static":
         raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {kind!r}")
-    layer_types = getattr(target.config, "layer_types", None) or []
-    if getattr(target.config, "sliding_window", None) and any(t != "full_attention" for t in layer_types or ["?"]):
-        # a sliding-window static layer is a ring buffer: moving its write position back is not a rollback
+    if "flash" in str(getattr(target.config, "_attn_implementation", "")):
+        # flash kernels take no mask here: they would attend over the whole preallocated buffer
+        raise ValueError("cache_implementation='static' needs sdpa or eager attention; use 'dynamic' with flash")
+    cache = StaticCache(config=target.config, max_cache_len=max_len)
+    # Rollback moves each layer's write position back; only a plain static layer is rolled back by that (sliding
+    # and chunked layers are ring buffers, linear-attention layers carry a recurrent state).
+    if any(type(layer) is not StaticLayer for layer in cache.layers):
         raise ValueError("cache_implementation='static' supports full-attention targets only; use 'dynamic'")
-    return StaticCache(config=target.config, max_cache_len=max_len)
+    return cache
 
 
 def _truncate(cache: Cache, keep: int, held: int) -> None:
@@ -194,5 +200,14 @@ def d3d_generate(
         attention_mask=model_kwargs.get("attention_mask"),
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
-        cache_implementation=generation_config.cache_implementation or "dynamic",
+        cache_implementation=_cache_kind(generation_config.cache_implementation),
     )
+
+
+def _cache_kind(requested: str | None) -> str:
+    if requested in (None, "dynamic", "static"):
+        return requested or "dynamic"
+    warnings.warn(
+        f"d3d_generate uses a dynamic cache; cache_implementation={requested!r} is not supported", stacklevel=3
+    )
+    return "dynamic"

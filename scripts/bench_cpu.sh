@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 NUM_PROMPTS="${NUM_PROMPTS:-10}"
 DRAFTER="${DRAFTER:-checkpoints/SmolLM2-135M-Instruct-D3D}"
 # Keyed by the drafter's weights, so a retrained drafter never meets the peer exported from its predecessor.
-AR_PEER="${AR_PEER:-$HOME/.cache/hf_d3d/ar-peer-$(basename "$DRAFTER")-$(sha256sum "$DRAFTER/model.safetensors" | cut -c1-12)}"
+WEIGHTS_ID=$( (cat "$DRAFTER"/*.safetensors 2>/dev/null || echo "$DRAFTER") | sha256sum | cut -c1-12)
+AR_PEER="${AR_PEER:-$HOME/.cache/hf_d3d/ar-peer-$(basename "$DRAFTER")-$WEIGHTS_ID}"
 [ -d "$AR_PEER" ] || .venv/bin/hf-d3d export-ar --drafter "$DRAFTER" --out "$AR_PEER"
 .venv/bin/hf-d3d bench --drafter "$DRAFTER" --ar-drafter "$AR_PEER" --prompts gsm8k:test \
     --num-prompts "$NUM_PROMPTS" --max-new-tokens 128 \

@@ -1,8 +1,8 @@
 """Fast-loop speed of several drafter settings side by side with plain greedy, in one run.
 
 Usage: python scripts/side_by_side.py SPEC [SPEC ...] [--num-prompts N] [--out RESULT.json]. SPEC is a drafter
-folder, optionally ``@K`` to draft K tokens per round (default: its shipped ``num_assistant_tokens``) and
-``+static`` for a preallocated target cache (``cache_implementation="static"``). GSM8K test prompts, timed by
+folder, then optionally ``@K`` to draft K tokens per round (default: its shipped ``num_assistant_tokens``), then
+optionally ``+static`` for a preallocated target cache: ``PATH@4+static``. GSM8K test prompts, timed by
 ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
 greedy.
 """

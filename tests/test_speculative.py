@@ -89,6 +89,10 @@ def test_static_cache_refuses_sliding_window_targets():
         speculative_generate(target, make_drafter(target), torch.tensor([[5, 6]]), 4, cache_implementation="static")
     with pytest.raises(ValueError, match="'dynamic' or 'static'"):
         speculative_generate(target, make_drafter(target), torch.tensor([[5, 6]]), 4, cache_implementation="paged")
+    flash = tiny_target("llama")
+    flash.config._attn_implementation = "flash_attention_2"  # its kernels would see the whole buffer unmasked
+    with pytest.raises(ValueError, match="sdpa or eager"):
+        speculative_generate(flash, make_drafter(flash), torch.tensor([[5, 6]]), 4, cache_implementation="static")
 
 
 def test_fast_loop_tau_counts_target_forwards(oracle):

@@ -22,6 +22,7 @@ from hf_d3d.atomic import write_json_atomic
 
 RECORDS = "records.jsonl"
 META = "meta.json"
+REQUEST = "request.json"  # how a run generates, so a resume with other settings is refused
 
 
 @dataclass
@@ -50,8 +51,12 @@ def _generation_config(path: str) -> GenerationConfig | None:
         return None
 
 
-def _read_done(records: Path) -> set[int]:
-    """Indices already distilled; a torn last line (killed mid-write) is cut off so appends stay valid JSONL."""
+def _read_done(records: Path, encoded: list[list[int]]) -> set[int]:
+    """Indices already distilled; a torn last line (killed mid-write) is cut off so appends stay valid JSONL.
+
+    Every record names the prompt it answered, so a resume with other prompts (another slice, another source) is
+    refused instead of mixing two datasets under one index.
+    """
     if not records.exists():
         return set()
     done: set[int] = set()
@@ -59,9 +64,13 @@ def _read_done(records: Path) -> set[int]:
     with open(records, "rb") as f:
         for line in f:
             try:
-                done.add(json.loads(line)["idx"])
+                record = json.loads(line)
+                idx, prompt = record["idx"], record["prompt_ids"]
             except (json.JSONDecodeError, KeyError):
                 break
+            if idx >= len(encoded) or encoded[idx] != prompt:
+                raise ValueError(f"{records} answers other prompts than these (record #{idx}); use a new folder")
+            done.add(idx)
             good_bytes += len(line)
     with open(records, "r+b") as f:
         f.truncate(good_bytes)
@@ -71,7 +80,7 @@ def _read_done(records: Path) -> set[int]:
 def load_records(*folders: str | Path) -> list[dict]:
     """Read finished distillation folders in order; an unfinished one is a clear error.
 
-    A prompt already read from an earlier folder is dropped, so overlapping runs never count one answer twice.
+    A prompt already read (from an earlier folder or the same one) is dropped, so one answer never counts twice.
     Folders distilled from differently named targets are refused: they would teach the drafter two models.
     """
     if not folders:
@@ -86,7 +95,8 @@ def load_records(*folders: str | Path) -> list[dict]:
             target = Path(json.load(f).get("target", "")).name
         targets.setdefault(target, folder)
         if len(targets) > 1:
-            raise ValueError(f"{folder} was distilled from {target!r} but {targets[next(iter(targets))]} was not.")
+            first, first_folder = next(iter(targets.items()))
+            raise ValueError(f"{folder} was distilled from {target!r}, {first_folder} from {first!r}: one target only")
         with open(folder / RECORDS, encoding="utf-8") as f:
             for line in f:
                 record = json.loads(line)
@@ -126,28 +136,52 @@ def transformers_backend(target: PreTrainedModel, pad_id: int, config: DistillCo
     return run
 
 
-def vllm_backend(model: str, config: DistillConfig, **engine_kwargs) -> Backend:
-    """vLLM's offline ``LLM`` engine for large targets on GPUs (greedy, or plain temperature sampling)."""
+def vllm_backend(
+    model: str, config: DistillConfig, stop_ids: set[int], max_model_len: int, repetition_penalty: float = 1.0
+) -> Backend:
+    """vLLM's offline ``LLM`` engine for large targets on GPUs (greedy, or plain temperature sampling).
+
+    It stops on exactly ``stop_ids`` (the ids the transformers backend stops on) and is built on the first batch,
+    so resuming a finished-but-unmarked run loads no model.
+    """
     try:
         from vllm import LLM, SamplingParams
     except ImportError as err:
         raise ModuleNotFoundError(
             "--backend vllm needs vLLM (`pip install vllm` on a CUDA machine); use --backend transformers here."
         ) from err
-    llm = LLM(model=model, **engine_kwargs)
     params = SamplingParams(
         max_tokens=config.max_new_tokens,
         temperature=config.temperature if config.do_sample else 0.0,
         top_p=1.0,
         top_k=-1,
         seed=config.seed if config.do_sample else None,
+        repetition_penalty=repetition_penalty,
+        stop_token_ids=sorted(stop_ids),
+        ignore_eos=True,  # the tokenizer's EOS only stops generation when it is one of stop_ids
+        detokenize=False,
     )
+    engine = []
 
     def run(batch: list[list[int]]) -> list[list[int]]:
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
+        if not engine:
+            engine.append(LLM(model=model, max_model_len=max_model_len))
+        outs = engine[0].generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outs]
 
     return run
+
+
+def _check_request(out: Path, request: dict) -> None:
+    """Refuse to resume a folder with other generation settings: its records would mix two datasets."""
+    path = out / REQUEST
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != request:
+            changed = sorted(k for k in request.keys() | old.keys() if old.get(k) != request.get(k))
+            raise ValueError(f"{out} holds a run with other {', '.join(changed)}; distill into a new folder")
+    else:
+        write_json_atomic(path, request)
 
 
 def distill(
@@ -192,9 +226,16 @@ def distill(
                 f"{len(too_long)} prompts (first: #{too_long[0]}) plus max_new_tokens={config.max_new_tokens} exceed "
                 f"the target's context of {limit} tokens; shorten them or lower max_new_tokens."
             )
-    generate = vllm_backend(target, config) if backend == "vllm" else transformers_backend(target, pad_id, config)
+    if backend == "vllm":
+        longest = max(len(ids) for ids in encoded) + config.max_new_tokens
+        penalty = getattr(generation_config, "repetition_penalty", None) or 1.0
+        generate = vllm_backend(target, config, eos_ids, longest, penalty)
+    else:
+        generate = transformers_backend(target, pad_id, config)
     out.mkdir(parents=True, exist_ok=True)
-    done = _read_done(out / RECORDS)
+    settings = {k: v for k, v in asdict(config).items() if k != "batch_size"}  # batching may change on resume
+    _check_request(out, {"backend": backend, **settings})
+    done = _read_done(out / RECORDS, encoded)
     # Similar lengths in a batch waste less compute on padding; the order is deterministic so resume is exact.
     todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: (len(encoded[i]), i))
     empty = 0

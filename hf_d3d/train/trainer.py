@@ -117,9 +117,9 @@ def train(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
-    # Checkpoints are stored in bf16 to stay small; updates that small vanish in bf16 weights, so training keeps
-    # fp32 master weights and --mixed-precision chooses the compute type.
-    drafter = drafter.float()
+    # Published drafters are stored in bf16 to stay small, but small updates vanish in bf16 weights: training
+    # keeps fp32 weights (its checkpoints and final are fp32) and --mixed-precision chooses the compute type.
+    drafter = drafter.float()  # in place: the caller's model is now fp32 too
     dcfg = drafter.config
     validate_records(records, dcfg.vocab_size, dcfg.max_position_embeddings, dcfg.block_size)
 
