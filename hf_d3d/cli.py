@@ -192,7 +192,6 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval_tau(args: argparse.Namespace) -> None:
-
     from hf_d3d.checks import check_pair
     from hf_d3d.evaluate import measure_tau
     from hf_d3d.prompts import load_prompts
