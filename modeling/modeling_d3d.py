@@ -238,24 +238,29 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             hidden = hidden[logits_to_keep]
         else:
             hidden = hidden[:, logits_to_keep]
-        if draft_logits:
-            if self.config.draft_vocab_size is None:
-                raise ValueError("draft_logits=True needs a draft vocabulary (set_draft_vocab)")
-            logits = F.linear(hidden, self.lm_head.weight.index_select(0, self.draft_vocab))
-            return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
-        return CausalLMOutputWithPast(logits=self._logits(hidden), past_key_values=past_key_values)
+        if draft_logits and self.config.draft_vocab_size is None:
+            raise ValueError("draft_logits=True needs a draft vocabulary (set_draft_vocab)")
+        return CausalLMOutputWithPast(logits=self._logits(hidden, draft_logits), past_key_values=past_key_values)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``."""
-        if self.training or self.config.draft_vocab_size is None:
-            return self.lm_head(hidden)  # training asks for draft_logits explicitly
+    def _logits(self, hidden: torch.Tensor, draft_only: bool = False) -> torch.Tensor:
+        """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``.
+
+        ``draft_only`` returns the draft vocabulary's columns alone. Training uses the full head unless asked.
+        """
+        if self.config.draft_vocab_size is None or (self.training and not draft_only):
+            return self.lm_head(hidden)
         weight, ids = self.lm_head.weight, self.draft_vocab
-        # The gathered rows are reused until the head or the ids change (device, dtype or an in-place update;
-        # tensors made under inference_mode have no version counter and cannot be updated in place outside it).
-        key = tuple((t.data_ptr(), t.dtype, -1 if t.is_inference() else t._version) for t in (weight, ids))
-        if self._draft_head is None or self._draft_head[0] != key:
-            self._draft_head = (key, weight.detach().index_select(0, ids))
-        sub = F.linear(hidden, self._draft_head[1])
+        if self.training:  # fresh rows, so a trainable head gets its gradient
+            sub = F.linear(hidden, weight.index_select(0, ids))
+        else:
+            # The gathered rows are reused until the head or the ids change (device, dtype or an in-place update;
+            # tensors made under inference_mode have no version counter and cannot be updated in place outside it).
+            key = tuple((t.data_ptr(), t.dtype, -1 if t.is_inference() else t._version) for t in (weight, ids))
+            if self._draft_head is None or self._draft_head[0] != key:
+                self._draft_head = (key, weight.detach().index_select(0, ids))
+            sub = F.linear(hidden, self._draft_head[1])
+        if draft_only:
+            return sub
         full = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy_(full.dim() - 1, ids, sub)
 
