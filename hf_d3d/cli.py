@@ -234,15 +234,29 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
 def _cmd_prune(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.prune import prune
+    from hf_d3d.prune import make_healer, prune
     from hf_d3d.targets import load_drafter, load_target
-    from hf_d3d.train.distill import chat_prompt_ids
+    from hf_d3d.train.distill import chat_prompt_ids, load_records
+    from hf_d3d.train.trainer import TrainConfig
 
+    if bool(args.heal_data) != bool(args.heal_steps):
+        raise SystemExit("--heal-steps and --heal-data go together (the fine-tune needs both its length and its data)")
+    heal = None
+    if args.heal_steps:
+        heal_config = TrainConfig(
+            max_steps=args.heal_steps,
+            batch_size=args.heal_batch_size,
+            lr=args.heal_lr,
+            warmup_steps=min(20, args.heal_steps // 10),
+            mixed_precision=args.mixed_precision,
+            save_every=100,
+        )
+        heal = make_healer(load_records(*args.heal_data), Path(args.out), heal_config)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
     ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]
-    report = prune(target, drafter, ids, args.out, args.retention, args.target_depth, args.max_new_tokens)
+    report = prune(target, drafter, ids, args.out, args.retention, args.target_depth, args.max_new_tokens, heal)
     print(
         f"{report['final_layers']} layers kept (removed {report['removed_layers']}): "
         f"tau {report['base_tau']:.3f} -> {report['final_tau']:.3f}; checkpoint in {Path(args.out) / 'model'}"
@@ -384,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--retention", type=float, default=0.99)
     p.add_argument("--target-depth", type=int, default=None)
+    p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0: no healing)")
+    p.add_argument("--heal-data", nargs="+", default=None, help="finished `hf-d3d distill` folders to heal on")
+    p.add_argument("--heal-lr", type=float, default=1e-4)
+    p.add_argument("--heal-batch-size", type=int, default=8)
+    p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="compute type of the heal")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_prune)
 

@@ -1,9 +1,9 @@
 """Progressive layer pruning by acceptance length: drop the layer whose removal costs the least tau, repeat.
 
 Each step measures mean tau on calibration prompts with every remaining layer skipped in turn (layers are skipped
-at run time, so no copy is made), removes the cheapest one, and optionally heals with a short fine-tune. It stops
-before tau would fall below ``retention`` x the unpruned tau, or at ``target_depth``. Progress is saved after every
-step (``prune_state.json``), so an interrupted run resumes where it stopped.
+at run time, so no copy is made), removes the cheapest one, and optionally heals with a short fine-tune (then the
+healed tau decides). It stops before tau would fall below ``retention`` x the unpruned tau, or at ``target_depth``.
+Progress is saved after every step (``prune_state.json``), so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from hf_d3d.atomic import atomic_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.train.trainer import FINAL, TrainConfig, train
 
 STATE = "prune_state.json"
 REPORT = "prune_report.json"
@@ -81,6 +82,10 @@ def prune(
         state = {"base_tau": base, "removed": [], "steps": [{"layers": n_layers, "removed": None, "tau": base}]}
         write_json_atomic(state_path, state)
     base = state["base_tau"]
+    # Healing rewrites the kept layers; keep the unhealed weights to go back to when a healed removal is refused.
+    original = {k: v.clone() for k, v in drafter.state_dict().items()} if heal is not None else None
+    if heal is not None and state["removed"]:
+        heal(drafter, state["removed"])  # resuming: reload (or finish) the last accepted heal
     bar = tqdm(total=n_layers - floor, initial=len(state["removed"]), desc="prune")
     while n_layers - len(state["removed"]) > floor and not state.get("done"):
         removed = set(state["removed"])
@@ -89,27 +94,35 @@ def prune(
             if layer not in removed:
                 candidates[layer] = tau_with_skipped(target, drafter, prompts_ids, removed | {layer}, max_new_tokens)
         best = max(candidates, key=lambda k: (candidates[k], k))
-        keep_going = target_depth is not None or candidates[best] >= retention * base
         step = {
             "layers": n_layers - len(removed) - 1,
             "removed": best,
             "tau": candidates[best],
             "retention": candidates[best] / base if base else 0.0,
             "candidates": {str(k): v for k, v in candidates.items()},
-            "accepted": keep_going,
         }
+        if heal is not None:
+            # With healing, the removal is judged by what the smaller drafter gives after its fine-tune.
+            heal(drafter, state["removed"] + [best])
+            step["healed_tau"] = tau_with_skipped(target, drafter, prompts_ids, removed | {best}, max_new_tokens)
+            step["healed_retention"] = step["healed_tau"] / base if base else 0.0
+        keep_going = target_depth is not None or step.get("healed_tau", step["tau"]) >= retention * base
+        step["accepted"] = keep_going
         state["steps"].append(step)
         if not keep_going:
             state["done"] = True  # the cheapest removal would cost more than the threshold allows
+            if heal is not None:
+                drafter.load_state_dict(original)
+                if state["removed"]:
+                    heal(drafter, state["removed"])  # back to the last accepted heal
         else:
             state["removed"].append(best)
-            if heal is not None:
-                heal(drafter, state["removed"])
             bar.update(1)
         write_json_atomic(state_path, state)
     bar.close()
 
     pruned = drop_layers(drafter, state["removed"])
+    accepted = [s for s in state["steps"] if s.get("accepted", True)]
     model_dir = out / "model"
     source_ids = drafter.config.target_layer_ids or list(range(n_layers))
     report = {
@@ -120,7 +133,7 @@ def prune(
         "removed_target_layers": [source_ids[i] for i in state["removed"]],
         "kept_target_layers": pruned.config.target_layer_ids,
         "final_layers": pruned.config.num_hidden_layers,
-        "final_tau": [s for s in state["steps"] if s.get("accepted", True)][-1]["tau"],
+        "final_tau": _tau_after(accepted[-1]),
         "steps": state["steps"],
         "calibration_prompts": len(prompts_ids),
         "max_new_tokens": max_new_tokens,
@@ -133,6 +146,39 @@ def prune(
     return report
 
 
+def _tau_after(step: dict) -> float:
+    """The tau a pruning step leaves: after its heal when it had one."""
+    return step.get("healed_tau", step["tau"])
+
+
+def make_healer(records: list[dict], out_dir: str | Path, config: TrainConfig) -> Callable:
+    """A ``heal`` for :func:`prune`: fine-tune the drafter without the removed layers, in place.
+
+    Each heal trains a physically smaller copy in ``out_dir/heal-<layers removed>`` (a normal, resumable training
+    run; a finished one is reused) and writes its weights back into the kept layers, so the skip-one-layer
+    measurements that follow see the healed drafter.
+    """
+
+    def heal(drafter: D3DDrafterModel, removed: list[int]) -> None:
+        run = Path(out_dir) / f"heal-{len(removed)}"
+        if not (run / FINAL).is_dir():  # atomic_folder: the final folder exists only once complete
+            train(drop_layers(drafter, removed), records, run, config)
+        healed = D3DDrafterModel.from_pretrained(run / FINAL, dtype=drafter.dtype).state_dict()
+        keep = [i for i in range(drafter.config.num_hidden_layers) if i not in set(removed)]
+        back = {}
+        for name, value in healed.items():
+            if name.startswith("model.layers."):
+                idx, rest = name[len("model.layers.") :].split(".", 1)
+                name = f"model.layers.{keep[int(idx)]}.{rest}"
+            back[name] = value
+        missing, unexpected = drafter.load_state_dict(back, strict=False)
+        stray = [k for k in missing if not any(k.startswith(f"model.layers.{i}.") for i in removed)]
+        if stray or unexpected:
+            raise ValueError(f"healed weights do not fit the drafter (missing {stray}, unexpected {unexpected})")
+
+    return heal
+
+
 def plot_report(report: dict, path: str | Path) -> None:
     import matplotlib
 
@@ -141,10 +187,13 @@ def plot_report(report: dict, path: str | Path) -> None:
 
     steps = [s for s in report["steps"] if s.get("accepted", True)]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([s["layers"] for s in steps], [s["tau"] for s in steps], marker="o", label="kept")
+    ax.plot([s["layers"] for s in steps], [_tau_after(s) for s in steps], marker="o", label="kept")
     rejected = [s for s in report["steps"] if not s.get("accepted", True)]
     if rejected:
         ax.plot([s["layers"] for s in rejected], [s["tau"] for s in rejected], "x", color="red", label="rejected")
+    healed = [s for s in report["steps"] if "healed_tau" in s]
+    if healed:  # before healing, the skip-one-layer measurement
+        ax.plot([s["layers"] for s in healed], [s["tau"] for s in healed], ".", color="gray", label="before heal")
     ax.axhline(report["base_tau"] * report["retention_threshold"], color="gray", ls="--", lw=1, label="threshold")
     ax.set_xlabel("drafter layers")
     ax.set_ylabel("mean tau")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -11,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import make_drafter, tiny_target
 from hf_d3d.evaluate import measure_tau
-from hf_d3d.prune import drop_layers, prune
+from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.prune import drop_layers, make_healer, prune
 from hf_d3d.train.distill import DistillConfig, distill, load_records
 from hf_d3d.train.trainer import TrainConfig, train
 
@@ -79,3 +81,86 @@ def test_pruned_checkpoint_equals_skip_layer_model(trained, tmp_path, monkeypatc
         drafter.model.skip_layers = set()
     tau_pruned = measure_tau(target, pruned, prompts, 24)
     assert tau_pruned == tau_skip and [pruned.last_stats.acceptance_lengths] == runs_skip
+
+
+@pytest.fixture(scope="module")
+def heal_records(tmp_path_factory):
+    target = tiny_target("llama", seed=11)
+    prompts = [" ".join(str(4 + (i * 7 + j * 3) % 90) for j in range(4 + i % 4)) for i in range(16)]
+    data_dir = tmp_path_factory.mktemp("heal-data")
+    distill(target, ToyTokenizer(), prompts, data_dir, DistillConfig(max_new_tokens=24, batch_size=8))
+    return load_records(data_dir)
+
+
+def _layer(model, i):
+    return {k: v.clone() for k, v in model.model.layers[i].state_dict().items()}
+
+
+def test_healing_trains_the_smaller_drafter_and_resumes_without_retraining(
+    trained, heal_records, tmp_path, monkeypatch
+):
+    target, drafter, prompts = trained
+    cfg = TrainConfig(max_steps=20, batch_size=8, lr=3e-3, warmup_steps=2, save_every=1000)
+    original = {k: v.clone() for k, v in drafter.state_dict().items()}
+    healed = copy.deepcopy(drafter)
+    report = prune(
+        target,
+        healed,
+        prompts,
+        tmp_path,
+        target_depth=2,
+        max_new_tokens=24,
+        heal=make_healer(heal_records, tmp_path, cfg),
+    )
+    step = report["steps"][1]
+    assert step["accepted"] and "healed_tau" in step and report["final_tau"] == step["healed_tau"]
+    removed = step["removed"]
+    keep = [i for i in range(3) if i != removed]
+    # The heal trained a 2-layer copy; its layers are written back into the kept layers, which have moved.
+    run = D3DDrafterModel.from_pretrained(tmp_path / "heal-1" / "final")
+    assert run.config.num_hidden_layers == 2
+    for small, big in zip(range(2), keep):
+        for name, value in _layer(run, small).items():
+            torch.testing.assert_close(healed.model.layers[big].state_dict()[name], value)
+    moved = any(not torch.equal(v, original[k]) for k, v in healed.state_dict().items() if k.startswith("model.layers"))
+    assert moved
+    # The written checkpoint is the healed smaller drafter, and its tau is the one reported.
+    pruned = D3DDrafterModel.from_pretrained(tmp_path / "model")
+    torch.testing.assert_close(pruned.state_dict(), run.state_dict())
+    assert measure_tau(target, pruned, prompts, 24)["tau"] == step["healed_tau"]
+
+    # Resuming reloads the finished heal instead of training again.
+    import hf_d3d.prune as prune_module
+
+    monkeypatch.setattr(prune_module, "train", lambda *a, **k: pytest.fail("a finished heal was retrained"))
+    again = prune(
+        target,
+        copy.deepcopy(drafter),
+        prompts,
+        tmp_path,
+        target_depth=2,
+        max_new_tokens=24,
+        heal=make_healer(heal_records, tmp_path, cfg),
+    )
+    assert again["steps"] == report["steps"]
+    torch.testing.assert_close(D3DDrafterModel.from_pretrained(tmp_path / "model").state_dict(), run.state_dict())
+
+
+def test_refused_healed_removal_leaves_the_unhealed_drafter(trained, heal_records, tmp_path):
+    target, drafter, prompts = trained
+    cfg = TrainConfig(max_steps=5, batch_size=8, lr=3e-3, warmup_steps=1, save_every=1000)
+    work = copy.deepcopy(drafter)
+    report = prune(
+        target, work, prompts, tmp_path, retention=1.5, max_new_tokens=24, heal=make_healer(heal_records, tmp_path, cfg)
+    )  # no drafter can keep 150% of its tau
+    assert report["removed_layers"] == [] and not report["steps"][1]["accepted"]
+    assert "healed_tau" in report["steps"][1]
+    torch.testing.assert_close(work.state_dict(), drafter.state_dict())
+    torch.testing.assert_close(D3DDrafterModel.from_pretrained(tmp_path / "model").state_dict(), drafter.state_dict())
+
+
+def test_prune_cli_refuses_heal_steps_without_data(tmp_path):
+    from hf_d3d.cli import main
+
+    with pytest.raises(SystemExit, match="--heal-steps and --heal-data go together"):
+        main(["prune", "--drafter", str(tmp_path), "--heal-steps", "10", "--out", str(tmp_path / "out")])
