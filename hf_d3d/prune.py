@@ -134,6 +134,7 @@ def prune(
         "kept_target_layers": pruned.config.target_layer_ids,
         "final_layers": pruned.config.num_hidden_layers,
         "final_tau": _tau_after(accepted[-1]),
+        "healed": heal is not None,
         "steps": state["steps"],
         "calibration_prompts": len(prompts_ids),
         "max_new_tokens": max_new_tokens,

@@ -57,7 +57,8 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         pruning = (
             f"Pruned from {rep['final_layers'] + len(rep['removed_layers'])} to {rep['final_layers']} layers "
             f"(removed target layers {rep['removed_target_layers']}); tau {rep['base_tau']:.2f} -> "
-            f"{rep['final_tau']:.2f} on {rep['calibration_prompts']} calibration prompts."
+            f"{rep['final_tau']:.2f} on {rep['calibration_prompts']} calibration prompts"
+            + (", each removal healed by a short fine-tune." if rep.get("healed") else ".")
         )
     else:
         pruning = "Not pruned."

@@ -44,7 +44,7 @@ def test_prune_removes_the_useless_layer_first(trained, tmp_path):
     target, drafter, prompts = trained
     report = prune(target, drafter, prompts, tmp_path, retention=0.99, max_new_tokens=24)
     first = report["steps"][1]
-    assert first["removed"] == 1
+    assert first["removed"] == 1 and report["healed"] is False
     assert first["tau"] == report["base_tau"]  # removing an identity layer changes nothing
     assert report["base_tau"] > 1.5  # the drafter is good enough for the comparison to mean something
     others = {k: v for k, v in first["candidates"].items() if k != "1"}
@@ -114,6 +114,7 @@ def test_healing_trains_the_smaller_drafter_and_resumes_without_retraining(
     )
     step = report["steps"][1]
     assert step["accepted"] and "healed_tau" in step and report["final_tau"] == step["healed_tau"]
+    assert report["healed"] is True
     removed = step["removed"]
     keep = [i for i in range(3) if i != removed]
     # The heal trained a 2-layer copy; its layers are written back into the kept layers, which have moved.
