@@ -47,7 +47,11 @@ timed("target", target)
 timed("drafter", drafter)
 paths = {
     "generate(assistant_model)": lambda x: target.generate(
-        x, attention_mask=torch.ones_like(x), assistant_model=drafter, do_sample=False, max_new_tokens=args.max_new_tokens
+        x,
+        attention_mask=torch.ones_like(x),
+        assistant_model=drafter,
+        do_sample=False,
+        max_new_tokens=args.max_new_tokens,
     ),
     "speculative_generate": lambda x: speculative_generate(target, drafter, x, max_new_tokens=args.max_new_tokens),
 }
