@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -25,6 +26,19 @@ STATE = "prune_state.json"
 REPORT = "prune_report.json"
 
 
+def _renumber_layers(state: dict[str, torch.Tensor], index: dict[int, int]) -> dict[str, torch.Tensor]:
+    """``state`` with decoder layer i renamed to layer ``index[i]``; layers missing from ``index`` are left out."""
+    out = {}
+    for name, value in state.items():
+        if name.startswith("model.layers."):
+            idx, rest = name[len("model.layers.") :].split(".", 1)
+            if int(idx) not in index:
+                continue
+            name = f"model.layers.{index[int(idx)]}.{rest}"
+        out[name] = value
+    return out
+
+
 def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
     """A physically smaller copy of ``drafter`` without the layers at indices ``remove``; provenance kept."""
     keep = [i for i in range(drafter.config.num_hidden_layers) if i not in set(remove)]
@@ -35,16 +49,8 @@ def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
     source_ids = drafter.config.target_layer_ids or list(range(drafter.config.num_hidden_layers))
     config.target_layer_ids = [source_ids[i] for i in keep]
     pruned = D3DDrafterModel(config).to(dtype=drafter.dtype, device=drafter.device)
-    state = drafter.state_dict()
-    renamed = {}
-    for name, value in state.items():
-        if name.startswith("model.layers."):
-            idx, rest = name[len("model.layers.") :].split(".", 1)
-            if int(idx) not in keep:
-                continue
-            name = f"model.layers.{keep.index(int(idx))}.{rest}"
-        renamed[name] = value
-    pruned.load_state_dict(renamed, strict=True)
+    renumbered = _renumber_layers(drafter.state_dict(), {old: new for new, old in enumerate(keep)})
+    pruned.load_state_dict(renumbered, strict=True)
     pruned.generation_config = copy.deepcopy(drafter.generation_config)
     return pruned.eval()
 
@@ -166,12 +172,7 @@ def make_healer(records: list[dict], out_dir: str | Path, config: TrainConfig) -
             train(drop_layers(drafter, removed), records, run, config)
         healed = D3DDrafterModel.from_pretrained(run / FINAL, dtype=drafter.dtype).state_dict()
         keep = [i for i in range(drafter.config.num_hidden_layers) if i not in set(removed)]
-        back = {}
-        for name, value in healed.items():
-            if name.startswith("model.layers."):
-                idx, rest = name[len("model.layers.") :].split(".", 1)
-                name = f"model.layers.{keep[int(idx)]}.{rest}"
-            back[name] = value
+        back = _renumber_layers(healed, dict(enumerate(keep)))
         missing, unexpected = drafter.load_state_dict(back, strict=False)
         stray = [k for k in missing if not any(k.startswith(f"model.layers.{i}.") for i in removed)]
         if stray or unexpected:
