@@ -118,7 +118,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
     prompts = load_prompts(args.prompts, args.field, args.num_prompts)
     target, tokenizer = load_target(args.target)
-    drafter = load_drafter(args.drafter)
+    import torch
+
+    drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"))
     check_pair(target, drafter, tokenizer)
     ar = None
     if "assisted_ar" in methods:
@@ -126,7 +128,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError("assisted_ar needs --ar-drafter (an autoregressive drafter trained on the same data)")
         from transformers import AutoModelForCausalLM
 
-        ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=target.dtype).to(target.device).eval()
+        # the peer gets the D3D drafter's compute type: only the drafting method differs
+        ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=drafter.dtype).to(target.device).eval()
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar)
     result["command"] = (
@@ -138,7 +141,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         + (f" --field {args.field}" if args.field != "question" else "")
         + f" --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
         + f" --methods {','.join(methods)} --out {args.out}"
+        + (f" --drafter-dtype {args.drafter_dtype}" if args.drafter_dtype != "auto" else "")
     )
+    result["drafter_dtype"] = str(drafter.dtype).removeprefix("torch.")
     result["prompts"] = args.prompts
     paths = write_outputs(result, args.out)
     print(Path(paths[1]).read_text())
@@ -206,6 +211,12 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     if args.num_hypotheses:
         drafter.config.num_hypotheses = args.num_hypotheses
     mode = f" --async --num-hypotheses {drafter.config.num_hypotheses}" if args.async_drafting else ""
+    if args.fixed_length:  # the drafter's quality at num_assistant_tokens per round, whatever a round costs here
+        drafter.config.round_cost = None
+        mode += " --fixed-length"
+    label = f" (async, {drafter.config.num_hypotheses} hypotheses)" if args.async_drafting else ""
+    if args.fixed_length:
+        label += f" ({drafter.generation_config.num_assistant_tokens} tokens every round)"
     rows = []
     for source in args.prompts.split(","):
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(source, args.field, args.num_prompts)]
@@ -216,7 +227,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         )
         rows.append(
             {
-                "dataset": source + (f" (async, {drafter.config.num_hypotheses} hypotheses)" if mode else ""),
+                "dataset": source + label,
                 "num_prompts": len(ids),
                 "max_new_tokens": args.max_new_tokens,
                 **res,
@@ -276,6 +287,21 @@ def _cmd_export_ar(args: argparse.Namespace) -> None:
     from hf_d3d.export_ar import write_autoregressive
 
     print(f"autoregressive drafter written to {write_autoregressive(args.drafter, args.out)}")
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> None:
+    from hf_d3d.calibrate import measure_round_cost, write_round_cost
+    from hf_d3d.checks import check_pair
+    from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
+
+    target, _ = load_target(args.target, device=args.device)
+    drafter = load_drafter(args.drafter, device=target.device)
+    check_pair(target, drafter)
+    costs = measure_round_cost(target, drafter, context_length=args.context_length, repeats=args.repeats)
+    print(f"round cost on {target.device.type}, in target decode steps, for k = 1..{len(costs)} draft tokens:")
+    print("  " + "  ".join(f"{k}: {c:.2f}" for k, c in enumerate(costs, 1)))
+    if args.write:
+        print(f"recorded in {write_round_cost(args.drafter or DEFAULT_DRAFTER, target.device.type, costs)}")
 
 
 def _cmd_publish(args: argparse.Namespace) -> None:
@@ -364,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="Hub id or folder (default: the committed SmolLM2 drafter)")
     p.add_argument("--ar-drafter", default=None, help="autoregressive drafter for the assisted_ar peer")
+    p.add_argument(
+        "--drafter-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="compute type of both drafters (auto: as stored, bf16 for ours)",
+    )
     p.add_argument("--prompts", default="gsm8k:test")
     p.add_argument("--field", default="question")
     p.add_argument("--num-prompts", type=int, default=20)
@@ -387,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--async", dest="async_drafting", action="store_true", help="async packed drafting (reports the hit rate)"
     )
     p.add_argument("--num-hypotheses", type=int, default=None, help="outcomes per packed pass (async)")
+    p.add_argument(
+        "--fixed-length",
+        action="store_true",
+        help="propose num_assistant_tokens every round, ignoring the measured round cost (the drafter's own quality)",
+    )
     p.set_defaults(func=_cmd_eval_tau)
 
     p = sub.add_parser("prune", help="progressive layer pruning by acceptance length (resumable)")
@@ -421,6 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_export_ar)
+
+    p = sub.add_parser(
+        "calibrate", help="measure the cost of a round per draft length on this machine (sets the draft length)"
+    )
+    p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="drafter folder (default: the committed SmolLM2 drafter)")
+    p.add_argument("--device", default=None, help="e.g. cuda (default: where the target loads)")
+    p.add_argument("--context-length", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--write", action="store_true", help="record the costs in the drafter folder's config.json")
+    p.set_defaults(func=_cmd_calibrate)
 
     p = sub.add_parser("publish", help="assemble a Hub folder (card included) and upload it with huggingface_hub")
     p.add_argument("checkpoint")

@@ -71,6 +71,12 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         num_layers=config["num_hidden_layers"],
         block_size=config["block_size"],
         draft_tokens=_draft_tokens(checkpoint, config),
+        draft_policy=(
+            f"; on {', '.join(sorted(config['round_cost']))} fewer where the round costs measured there "
+            "(`hf-d3d calibrate`) say the rest do not pay"
+            if config.get("round_cost")
+            else ""
+        ),
         metrics_table="\n".join(table),
         draft_vocab=(
             f" It proposes only its {config['draft_vocab_size']} most frequent tokens (a draft vocabulary), so its LM "

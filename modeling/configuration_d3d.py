@@ -21,6 +21,11 @@ class D3DConfig(PreTrainedConfig):
         draft_vocab_size: if set, the drafter proposes only this many tokens (the ``draft_vocab`` buffer, chosen
             by frequency in the training data) and computes its LM head over them alone at inference; on a small
             target the full head is most of a draft's cost. Verification still uses the target's full vocabulary.
+        round_cost: per device type (``"cpu"``, ``"cuda"``), the measured cost of a round that proposes k = 1, 2, ...
+            tokens (one draft plus one target forward over k + 1 tokens), in target decode steps. Where set, each
+            round proposes the number of tokens (up to ``num_assistant_tokens``) with the most expected committed
+            tokens per unit of cost; elsewhere every round proposes ``num_assistant_tokens``. ``hf-d3d calibrate``
+            measures it; it only changes speed, never the output.
     """
 
     model_type = "d3d_drafter"
@@ -54,6 +59,7 @@ class D3DConfig(PreTrainedConfig):
     async_drafting: bool | None = None
     num_hypotheses: int = 4
     draft_vocab_size: int | None = None
+    round_cost: dict[str, list[float]] | None = None
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -78,6 +84,9 @@ class D3DConfig(PreTrainedConfig):
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        for device, costs in (self.round_cost or {}).items():
+            if not costs or any(not c > 0 for c in costs):
+                raise ValueError(f"round_cost[{device!r}] must be a non-empty list of positive costs, got {costs}")
         if self.num_hypotheses < 1:
             raise ValueError(f"num_hypotheses must be >= 1, got {self.num_hypotheses}")
 

@@ -94,8 +94,29 @@ def choose_hypotheses(
     return [outcome for _, outcome in scored[:budget]]
 
 
+def draft_length(confidence: list[float], round_cost: list[float]) -> int:
+    """How many leading draft tokens to propose: the k with the most expected committed tokens per unit of cost.
+
+    ``confidence[i]`` is the drafter's probability that draft token i + 1 is right; ``round_cost[k - 1]`` is the
+    cost of a round that proposes k tokens. Such a round commits 1 + sum over i <= k of prod over j <= i of
+    ``confidence[j]`` tokens in expectation (the correction or bonus token always comes). Ties go to the shorter
+    draft; k never exceeds either list.
+    """
+    best_k, best, reach, expected = 0, 0.0, 1.0, 1.0
+    for k, (p, cost) in enumerate(zip(confidence, round_cost), start=1):
+        reach *= p
+        expected += reach
+        if expected / cost > best:
+            best_k, best = k, expected / cost
+    return best_k
+
+
 class D3DCandidateGenerator(CandidateGenerator):
     """Proposes one block of ``block_size`` tokens per round from the drafter's own cache of committed tokens.
+
+    Where the drafter's config holds a measured ``round_cost`` for this device, a round proposes only the leading
+    tokens of the block that pay for themselves (:func:`draft_length`); that costs one host read of the draft's
+    confidences per round.
 
     With ``async_drafting`` it also launches, right after proposing a draft, one packed pass that drafts the next
     block for the likeliest verification outcomes; on CUDA it runs on a side stream while the target verifies.
@@ -133,6 +154,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         if async_drafting is None:  # on by default only where the packed pass can hide behind verification
             async_drafting = device.type == "cuda"
         self.async_drafting = bool(async_drafting)
+        # Round costs measured for this device type (hf-d3d calibrate); without them every round drafts in full.
+        self.round_cost = (getattr(config, "round_cost", None) or {}).get(device.type)
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None
@@ -164,6 +187,12 @@ class D3DCandidateGenerator(CandidateGenerator):
             logits = self._draft_logits(input_ids)
         logits = logits[:, :k]
         draft, scores = self._choose(input_ids, logits)
+        if self.round_cost is not None and draft.shape[1] > 1:
+            # Judged on the drafter's own distributions, never on the drawn tokens: a cut that looked at a sampled
+            # token would bias which tokens reach verification, and speculative sampling would no longer be exact.
+            confidence = logits[0, : draft.shape[1]].softmax(-1).amax(-1).tolist()
+            keep = draft_length(confidence, self.round_cost)
+            draft, scores = draft[:, :keep], scores[:, :keep]
         k = draft.shape[1]
         self._last_draft, self._last_len = draft, input_ids.shape[1]
         self.stats.rounds += 1

@@ -1,8 +1,10 @@
 """Fast-loop speed of several drafter settings side by side with plain greedy, in one run.
 
 Usage: python scripts/side_by_side.py SPEC [SPEC ...] [--num-prompts N] [--out RESULT.json]. SPEC is a drafter
-folder, then optionally ``@K`` to draft K tokens per round (default: its shipped ``num_assistant_tokens``), then
-optionally ``+static`` for a preallocated target cache: ``PATH@4+static``. GSM8K test prompts, timed by
+folder, then optionally ``@K`` to draft up to K tokens per round (default: its shipped ``num_assistant_tokens``),
+then any of ``+static`` (a preallocated target cache), ``+fixed`` (K tokens every round, ignoring the measured
+round cost) and ``+fp32`` (the drafter in fp32 instead of its stored dtype): ``PATH@4+fixed+fp32``. GSM8K test
+prompts, timed by
 ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
 greedy.
 """
@@ -28,9 +30,10 @@ target, tok = load_target()
 loaded = {}
 
 
-def fast(drafter, k, cache):
+def fast(drafter, k, cache, round_cost):
     def run(x):
         drafter.generation_config.num_assistant_tokens = k
+        drafter.config.round_cost = round_cost
         return speculative_generate(target, drafter, x, max_new_tokens=args.max_new_tokens, cache_implementation=cache)
 
     return run
@@ -45,13 +48,18 @@ runners = {
     )
 }
 for spec in args.specs:
-    spec_path, plus, cache = spec.partition("+")
+    spec_path, *flags = spec.split("+")
+    if set(flags) - {"static", "fixed", "fp32"}:
+        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32")
     path, _, k = spec_path.partition("@")
-    if path not in loaded:
-        drafter = load_drafter(path)
-        loaded[path] = (drafter, drafter.generation_config.num_assistant_tokens)  # as shipped, before any spec
-    drafter, shipped = loaded[path]
-    runners[spec] = (fast(drafter, int(k) if k else shipped, cache if plus else "dynamic"), drafter)
+    dtype = torch.float32 if "fp32" in flags else "auto"
+    if (path, dtype) not in loaded:
+        drafter = load_drafter(path, dtype=dtype)
+        # as shipped, before any spec changes them
+        loaded[path, dtype] = (drafter, drafter.generation_config.num_assistant_tokens, drafter.config.round_cost)
+    drafter, shipped, round_cost = loaded[path, dtype]
+    cache = "static" if "static" in flags else "dynamic"
+    runners[spec] = (fast(drafter, int(k) if k else shipped, cache, None if "fixed" in flags else round_cost), drafter)
 questions = load_prompts("gsm8k:test", "question", args.num_prompts)
 result = run_methods(target, runners, [chat_prompt_ids(tok, q) for q in questions], args.max_new_tokens)
 print(markdown_table(result))

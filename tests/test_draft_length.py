@@ -1,0 +1,149 @@
+"""Cost-aware draft length: the pure choice, its losslessness in every path, and the calibration that feeds it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
+
+from conftest import EOS, VOCAB, make_drafter, tiny_target
+from hf_d3d import D3DCandidateGenerator, D3DConfig, speculative_generate
+from hf_d3d.calibrate import measure_round_cost, write_round_cost
+from hf_d3d.modeling.generation_d3d import draft_length
+
+TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
+DRAFTERS = {(fam, b): make_drafter(t, block_size=b) for fam, t in TARGETS.items() for b in (2, 4, 8)}
+probability = st.floats(0.0, 1.0)
+cost = st.floats(0.1, 10.0)
+
+
+def expected_tokens(confidence: list[float], k: int) -> float:
+    total, reach = 1.0, 1.0
+    for p in confidence[:k]:
+        reach *= p
+        total += reach
+    return total
+
+
+def test_draft_length_examples():
+    steps = [1.2, 1.25, 1.6, 1.6, 1.6]  # a CPU-like verify cost: flat within a kernel's row tile, then a step
+    assert draft_length([0.99] * 5, steps) == 5  # sure drafts: the step is worth crossing, and 5 costs as 3
+    assert draft_length([0.9, 0.6, 0.3, 0.3, 0.3], steps) == 2  # the step does not pay for unlikely tokens
+    assert draft_length([0.9] * 4, [1.0] * 4) == 4  # free tokens are always worth proposing
+    assert draft_length([0.5, 0.5], [1.0, 3.0]) == 1
+    assert draft_length([], [1.0]) == 0 and draft_length([0.5], []) == 0
+
+
+@given(st.lists(st.tuples(probability, cost), min_size=1, max_size=12))
+def test_draft_length_maximises_expected_tokens_per_cost(pairs):
+    confidence, costs = [p for p, _ in pairs], [c for _, c in pairs]
+    k = draft_length(confidence, costs)
+    rates = [expected_tokens(confidence, j) / costs[j - 1] for j in range(1, len(pairs) + 1)]
+    assert 1 <= k <= len(pairs)
+    assert rates[k - 1] == pytest.approx(max(rates))
+    assert all(r < rates[k - 1] or j >= k for j, r in enumerate(rates, 1))  # ties go to the shorter draft
+
+
+def plain(target, x, max_new, eos, **kw):
+    return target.generate(
+        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, eos_token_id=eos, **kw
+    )
+
+
+def decode(target, drafter, x, max_new, eos, fast: bool, costs: list[float]):
+    """Decode through the fast loop or ``generate(assistant_model=...)`` with ``costs`` as the CPU round cost."""
+    drafter.config.round_cost = {"cpu": costs}
+    try:
+        if fast:
+            return speculative_generate(target, drafter, x, max_new_tokens=max_new, eos_token_id=eos)
+        return plain(target, x, max_new, eos, assistant_model=drafter)
+    finally:
+        drafter.config.round_cost = None
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    family=st.sampled_from(["llama", "qwen3"]),
+    block=st.sampled_from([2, 4, 8]),
+    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=16),
+    max_new=st.integers(1, 40),
+    noise=st.sampled_from([None, 0.0, 0.3]),
+    costs=st.lists(cost, min_size=1, max_size=8),
+    eos_on=st.booleans(),
+    fast=st.booleans(),
+)
+def test_any_round_cost_is_lossless(oracle, family, block, prompt, max_new, noise, costs, eos_on, fast):
+    """Whatever the measured costs, both paths give plain greedy's tokens; only the draft lengths change."""
+    target, drafter = TARGETS[family], DRAFTERS[(family, block)]
+    oracle.target, oracle.noise = (target, noise) if noise is not None else (None, 0.0)
+    x = torch.tensor([prompt])
+    eos = EOS if eos_on else None
+    assert torch.equal(decode(target, drafter, x, max_new, eos, fast, costs), plain(target, x, max_new, eos))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_costly_rounds_propose_one_token_and_free_ones_the_whole_block(oracle, fast):
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    oracle.target = target  # right every time: confidences near 1
+    x = torch.tensor([[5, 6, 7, 8]])
+    ref = plain(target, x, 30, None)
+    for costs, per_round in (([1.0, 50.0, 50.0, 50.0], 1), ([1.0, 1.0, 1.0, 1.0], 4)):
+        assert torch.equal(decode(target, drafter, x, 30, None, fast, costs), ref)
+        full = drafter.last_stats.acceptance_lengths[:-1]  # the last round may be cut by max_new_tokens
+        assert full and all(a == per_round for a in full)
+
+
+def test_sampled_draft_length_depends_on_the_distributions_only():
+    """The cut may not look at the drawn tokens, or verification would see a biased sample of them."""
+    target = tiny_target("llama", vocab=16, seed=3)
+    drafter = make_drafter(target, block_size=6)
+    # Cheap extra tokens: the cut falls where confidence runs out, so it would move with confidences of drawn tokens.
+    drafter.config.round_cost = {"cpu": [1.0, 1.05, 1.1, 1.15, 1.2, 1.25]}
+    x = torch.tensor([[4, 5, 6, 7]])
+    procs = LogitsProcessorList([TemperatureLogitsWarper(1.5)])
+    torch.manual_seed(0)
+    lengths, drafts = set(), set()
+    for _ in range(200):
+        gen = D3DCandidateGenerator(drafter, procs, do_sample=True)
+        seq, scores = gen.get_candidates(x)
+        lengths.add(seq.shape[1] - x.shape[1])
+        drafts.add(tuple(seq[0, x.shape[1] :].tolist()))
+        assert scores.shape[1] == seq.shape[1] - x.shape[1]  # every proposed token keeps the q it was drawn from
+    assert lengths == {2}  # one length whatever was drawn (reading the drawn tokens gives 1 or 2), and a cut
+    assert len(drafts) > 20
+
+
+def test_round_cost_is_validated_and_chosen_by_device():
+    with pytest.raises(ValueError, match="round_cost"):
+        D3DConfig(round_cost={"cpu": []})
+    with pytest.raises(ValueError, match="round_cost"):
+        D3DConfig(round_cost={"cpu": [1.0, 0.0]})
+    drafter = DRAFTERS[("qwen3", 4)]
+    drafter.config.round_cost = {"cuda": [1.0, 1.0, 1.0, 1.0]}
+    try:
+        assert D3DCandidateGenerator(drafter).round_cost is None  # costs measured elsewhere do not apply here
+        drafter.config.round_cost["cpu"] = [1.2, 1.3, 1.9, 2.0]
+        assert D3DCandidateGenerator(drafter).round_cost == [1.2, 1.3, 1.9, 2.0]
+    finally:
+        drafter.config.round_cost = None
+
+
+def test_calibration_measures_every_length_and_records_it(tmp_path):
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    costs = measure_round_cost(target, drafter, context_length=32, repeats=2)
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    drafter.save_pretrained(tmp_path)
+    write_round_cost(tmp_path, "cuda", [1.0, 1.0, 1.0, 1.0])
+    write_round_cost(tmp_path, "cpu", costs)  # a second device keeps the first
+    saved = json.loads((tmp_path / "config.json").read_text())["round_cost"]
+    assert saved == {"cuda": [1.0, 1.0, 1.0, 1.0], "cpu": costs}
+    assert type(drafter).from_pretrained(tmp_path).config.round_cost == saved
+    assert not list(tmp_path.glob(".*"))  # no scratch file left behind
+    with pytest.raises(FileNotFoundError):
+        write_round_cost(tmp_path / "missing", "cpu", costs)
