@@ -13,9 +13,10 @@ from test_sampling import _target_joint, chi_square_pvalue, sample_two_tokens
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
 from conftest import EOS, VOCAB, make_drafter, tiny_target
-from hf_d3d import D3DDrafterModel, speculative_generate
+from hf_d3d import D3DCandidateGenerator, D3DDrafterModel, speculative_generate
 from hf_d3d.draft_vocab import frequent_tokens, write_with_draft_vocab
 from hf_d3d.modeling.attention_d3d import pack_blocks
+from hf_d3d.modeling.generation_d3d import choose_hypotheses
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
 VOCAB_IDS = list(range(0, VOCAB, 3)) + [EOS]  # a third of the vocabulary
@@ -266,3 +267,20 @@ def test_training_a_drafter_with_a_draft_vocab_keeps_it(tmp_path, monkeypatch):
     cfg.draft_vocab_loss = False
     trainer.train(restricted(target), records, tmp_path / "b", cfg)
     assert seen[-1] is None
+
+
+def test_drafting_over_the_draft_vocab_matches_the_full_vocab_logits():
+    """Argmax, returned scores and packed-pass hypotheses are computed over the draft vocabulary: same answers."""
+    drafter = restricted(TARGETS["llama"], block_size=4)
+    x = torch.tensor([[5, 9, 17, 33, 40]])
+    gen = D3DCandidateGenerator(drafter, async_drafting=True, num_hypotheses=6)
+    seq, scores = gen.get_candidates(x)
+    draft = seq[0, x.shape[1] :].tolist()
+    ids, layout = pack_blocks(x, 0, [x.shape[1] - 1], 4, 0)
+    with torch.no_grad():  # the same block through the plain forward, over the full vocabulary
+        full = drafter(ids, layout=layout, use_cache=False).logits[0, x.shape[1] :].float()
+    torch.testing.assert_close(scores[0], full)
+    assert draft == full.argmax(-1).tolist() and set(draft) <= set(VOCAB_IDS)
+    want = choose_hypotheses(full.softmax(-1), draft, budget=6)
+    assert gen._pending.outcomes == want
+    assert all(g in VOCAB_IDS for _, g in want if g is not None)

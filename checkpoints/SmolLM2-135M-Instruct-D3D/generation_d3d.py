@@ -64,7 +64,7 @@ class _Pending:
     committed_len: int  # L: committed tokens when the draft d_1..d_k was proposed
     draft: list[int]
     outcomes: list[tuple[int, int | None]]  # (accepted a, correction token g); g None: bonus guessed by slot 0
-    logits: torch.Tensor  # [num_hypotheses, block_size, vocab]
+    logits: torch.Tensor  # [num_hypotheses, block_size, draft vocabulary]
     event: object = None  # CUDA event recorded on the side stream after the pass
 
 
@@ -159,6 +159,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None
+        # Drafting works over the draft vocabulary (argmax, confidences, hypotheses: a sixth of the work for 8k of
+        # 49k tokens); full-vocabulary logits are built only for what get_candidates hands back.
+        self._vocab = drafter.draft_vocab if getattr(config, "draft_vocab_size", None) else None
 
     # -- the cache protocol of transformers' AssistedCandidateGenerator -------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -166,6 +169,24 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     def crop(self, tokens_to_remove: int) -> None:
         self.cache.crop(tokens_to_remove)
+
+    # -- the draft vocabulary -------------------------------------------------------------------------------------
+    def _tokens(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of positions in the draft vocabulary."""
+        return index if self._vocab is None else self._vocab[index]
+
+    def _positions(self, tokens: list[int]) -> list[int]:
+        """Positions in the (sorted) draft vocabulary of tokens the drafter proposed, which always lie inside it."""
+        if self._vocab is None:
+            return tokens
+        return torch.searchsorted(self._vocab, torch.tensor(tokens, device=self._vocab.device)).tolist()
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits as full-vocabulary logits, ``-inf`` for tokens the drafter never proposes."""
+        if self._vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.drafter.config.vocab_size), float("-inf"))
+        return full.index_copy_(full.dim() - 1, self._vocab, logits)
 
     # -- drafting -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -219,15 +240,21 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._last_draft = None
 
     def _draft_logits(self, input_ids: torch.LongTensor) -> torch.FloatTensor:
-        """One drafter forward: uncached committed tokens as context plus one block anchored at the last of them."""
+        """One drafter forward: uncached committed tokens as context plus one block anchored at the last of them.
+
+        Returns the slots' logits over the draft vocabulary (the full one when the drafter has none)."""
         past = self.cache.get_seq_length()
         if past >= input_ids.shape[1]:  # the cache must end before the last committed token, which anchors the block
             self.cache.crop(-(past - input_ids.shape[1] + 1))
             past = input_ids.shape[1] - 1
         ids, layout = pack_blocks(input_ids[:, past:], past, [input_ids.shape[1] - 1], self.block_size, self._fill_id)
         slots = torch.arange(layout.num_context, ids.shape[1], device=ids.device)
-        out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slots)
-        return out.logits.float()
+        return self._run(ids, layout, slots).float()
+
+    def _run(self, ids: torch.LongTensor, layout, keep: torch.Tensor) -> torch.Tensor:
+        """Drafter forward over ``ids`` (context enters the cache); logits over the draft vocabulary at ``keep``."""
+        draft_only = {"draft_logits": True} if self._vocab is not None else {}
+        return self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=keep, **draft_only).logits
 
     # -- asynchronous packed drafting ------------------------------------------------------------------------------
     def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:
@@ -239,7 +266,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         committed = input_ids.shape[1]
         tokens = draft[0].tolist()
         # the bonus block spends its first slot on guessing the bonus, so a block of one has no draft left after it
-        outcomes = choose_hypotheses(logits[0].softmax(-1), tokens, self.num_hypotheses, self.block_size > 1)
+        found = choose_hypotheses(
+            logits[0].softmax(-1), self._positions(tokens), self.num_hypotheses, self.block_size > 1
+        )
+        guesses = self._tokens(torch.tensor([g or 0 for _, g in found], device=draft.device)).tolist()  # one read
+        outcomes = [(a, None if g is None else tok) for (a, g), tok in zip(found, guesses)]
         anchors = [committed - 1 + a for a, _ in outcomes]
         prefixes = [[g] if g is not None else [] for _, g in outcomes]
         past = self.cache.get_seq_length()
@@ -258,11 +289,11 @@ class D3DCandidateGenerator(CandidateGenerator):
             for t in inputs:
                 t.record_stream(self._side_stream)
             with torch.cuda.stream(self._side_stream):
-                out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slot_index).logits
+                out = self._run(ids, layout, slot_index)
                 event = torch.cuda.Event()
                 event.record(self._side_stream)
         else:
-            out = self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=slot_index).logits
+            out = self._run(ids, layout, slot_index)
             event = None
         self._pending = _Pending(committed, tokens, outcomes, out.view(len(outcomes), self.block_size, -1), event)
         self.stats.packed_passes += 1
@@ -301,7 +332,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             if g == correction:
                 self.stats.hits += 1
                 return block
-            if g is None and int(block[0, 0].argmax()) == correction:
+            if g is None and int(self._tokens(block[0, 0].argmax())) == correction:
                 # bonus block: its first slot guessed the bonus token right; the rest is the next draft
                 self.stats.hits += 1
                 return block[:, 1:]
@@ -311,9 +342,11 @@ class D3DCandidateGenerator(CandidateGenerator):
     def _choose(
         self, input_ids: torch.LongTensor, logits: torch.FloatTensor
     ) -> tuple[torch.LongTensor, torch.FloatTensor]:
-        """Pick draft tokens. Each slot's processed logits are returned: exactly the distribution it was drawn from."""
+        """Pick draft tokens from draft-vocabulary ``logits``; return them with each slot's processed logits over the
+        full vocabulary: exactly the distribution it was drawn from."""
         if not self.do_sample and len(self.logits_processor) == 0:
-            return logits.argmax(-1), logits
+            return self._tokens(logits.argmax(-1)), self._full(logits)
+        logits = self._full(logits)  # processors and sampling index by token id
         seq = input_ids
         scores = torch.empty_like(logits)
         proposable = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
