@@ -38,7 +38,7 @@ def measure_round_cost(
     target: PreTrainedModel,
     drafter: PreTrainedModel,
     context_length: int = 256,
-    repeats: int = 9,
+    repeats: int = 15,
     new_per_round: int = 3,
     seed: int = 0,
 ) -> list[float]:

@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="drafter folder (default: the committed SmolLM2 drafter)")
     p.add_argument("--device", default=None, help="e.g. cuda (default: where the target loads)")
     p.add_argument("--context-length", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--write", action="store_true", help="record the costs in the drafter folder's config.json")
     p.set_defaults(func=_cmd_calibrate)
 
