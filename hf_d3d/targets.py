@@ -94,8 +94,8 @@ def load_drafter(
     """Load a D3D drafter (local folder or Hub id); ``None`` means the committed SmolLM2 drafter.
 
     ``"auto"`` keeps the stored dtype (bf16 for our checkpoints), as ``from_pretrained`` does by default. On this
-    project's CPU (Sapphire Rapids, with bf16 matrix units) a bf16 draft takes about 9 ms against 14 ms in fp32, at
-    the same tau; on a CPU without bf16 units pass ``torch.float32``.
+    project's CPU (an Intel Xeon with AMX bf16 units) a bf16 drafter gave the same tau as fp32 and a faster decode
+    (``scripts/side_by_side.py``, README); on a CPU without bf16 units pass ``torch.float32``.
     """
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 

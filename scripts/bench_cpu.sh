@@ -6,7 +6,7 @@
 # drafter's d3d_metrics.json (its card).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NUM_PROMPTS="${NUM_PROMPTS:-10}"
+NUM_PROMPTS="${NUM_PROMPTS:-20}"
 DRAFTER="${DRAFTER:-checkpoints/SmolLM2-135M-Instruct-D3D}"
 # Keyed by the drafter's weights, so a retrained drafter never meets the peer exported from its predecessor.
 WEIGHTS_ID=$( (cat "$DRAFTER"/*.safetensors 2>/dev/null || echo "$DRAFTER") | sha256sum | cut -c1-12)

@@ -64,3 +64,20 @@ def test_demo_command_bad_input_is_a_message_not_a_traceback(capsys, args, messa
     assert main(["demo", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_calibrate_command_records_round_costs(tmp_path, capsys):
+    import json
+    import shutil
+
+    from hf_d3d.cli import main
+
+    folder = shutil.copytree(DEFAULT_DRAFTER, tmp_path / "drafter")
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((folder / "config.json").read_text()), "round_cost": {"cuda": [1.0] * 8}})
+    )
+    assert main(["calibrate", "--drafter", str(folder), "--repeats", "2", "--context-length", "64", "--write"]) == 0
+    costs = json.loads((folder / "config.json").read_text())["round_cost"]
+    assert costs["cuda"] == [1.0] * 8 and len(costs["cpu"]) == 8 and all(c > 0 for c in costs["cpu"])
+    assert "round cost on cpu" in capsys.readouterr().out
+    assert main(["calibrate", "--drafter", str(tmp_path / "missing"), "--repeats", "1"]) == 2  # a clear error
