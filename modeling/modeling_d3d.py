@@ -259,10 +259,12 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             if self._draft_head is None or self._draft_head[0] != key:
                 self._draft_head = (key, weight.detach().index_select(0, ids))
             sub = F.linear(hidden, self._draft_head[1])
-        if draft_only:
-            return sub
+        return sub if draft_only else self.expand_draft_logits(sub)
+
+    def expand_draft_logits(self, sub: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (its order) as full-vocabulary logits, ``-inf`` outside it."""
         full = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(full.dim() - 1, ids, sub)
+        return full.index_copy_(full.dim() - 1, self.draft_vocab, sub)
 
     def set_draft_vocab(self, token_ids: list[int] | torch.Tensor | None) -> None:
         """Restrict proposals to ``token_ids`` (deduplicated, sorted; ``None`` lifts the restriction)."""

@@ -183,10 +183,7 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits as full-vocabulary logits, ``-inf`` for tokens the drafter never proposes."""
-        if self._vocab is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.drafter.config.vocab_size), float("-inf"))
-        return full.index_copy_(full.dim() - 1, self._vocab, logits)
+        return logits if self._vocab is None else self.drafter.expand_draft_logits(logits)
 
     # -- drafting -------------------------------------------------------------------------------------------------
     @torch.no_grad()
