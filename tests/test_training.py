@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from types import SimpleNamespace
@@ -70,6 +71,21 @@ def test_resuming_with_other_prompts_is_refused(toy, tmp_path):
     with pytest.raises(ValueError, match="other max_new_tokens"):
         distill(target, ToyTokenizer(), prompts[:4], tmp_path, DistillConfig(max_new_tokens=7))
     distill(target, ToyTokenizer(), prompts[:4], tmp_path, DistillConfig(max_new_tokens=6, batch_size=3))
+    assert len(load_records(tmp_path)) == 4
+
+
+def test_the_targets_dtype_is_part_of_the_run(toy, tmp_path):
+    target, prompts = toy
+    cfg = DistillConfig(max_new_tokens=6, batch_size=4)
+    distill(target, ToyTokenizer(), prompts[:4], tmp_path, cfg)
+    assert json.loads((tmp_path / "meta.json").read_text())["dtype"] == "float32"
+    (tmp_path / "meta.json").unlink()  # as if interrupted
+    with pytest.raises(ValueError, match="other dtype"):
+        distill(copy.deepcopy(target).to(torch.bfloat16), ToyTokenizer(), prompts[:4], tmp_path, cfg)
+    request = json.loads((tmp_path / "request.json").read_text())
+    del request["dtype"]  # a folder from before the dtype was recorded: those runs were fp32
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    distill(target, ToyTokenizer(), prompts[:4], tmp_path, cfg)
     assert len(load_records(tmp_path)) == 4
 
 

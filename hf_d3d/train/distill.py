@@ -177,6 +177,8 @@ def _check_request(out: Path, request: dict) -> None:
     path = out / REQUEST
     if path.is_file():
         old = json.loads(path.read_text())
+        if "dtype" in request:  # requests written before the dtype was recorded all ran in float32
+            old.setdefault("dtype", "float32")
         if old != request:
             changed = sorted(k for k in request.keys() | old.keys() if old.get(k) != request.get(k))
             raise ValueError(f"{out} holds a run with other {', '.join(changed)}; distill into a new folder")
@@ -234,6 +236,9 @@ def distill(
         generate = transformers_backend(target, pad_id, config)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in asdict(config).items() if k != "batch_size"}  # batching may change on resume
+    # A bf16 target's greedy answers part from the fp32 target's after a few dozen tokens: another dataset.
+    if not isinstance(target, str):
+        settings["dtype"] = str(target.dtype).removeprefix("torch.")
     _check_request(out, {"backend": backend, **settings})
     done = _read_done(out / RECORDS, encoded)
     # Similar lengths in a batch waste less compute on padding; the order is deterministic so resume is exact.
@@ -276,6 +281,7 @@ def distill(
             "num_response_tokens": tokens,
             "skipped_empty": sum(i not in covered for i in range(len(prompts))),
             **asdict(config),
+            **({"dtype": settings["dtype"]} if "dtype" in settings else {}),
         },
     )
     return out
