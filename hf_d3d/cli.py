@@ -276,6 +276,22 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     )
 
 
+def _cmd_grow(args: argparse.Namespace) -> None:
+    from hf_d3d.atomic import atomic_folder
+    from hf_d3d.checks import check_pair
+    from hf_d3d.prune import insert_layers
+    from hf_d3d.targets import load_drafter, load_target
+
+    target, tokenizer = load_target(args.target)
+    drafter = load_drafter(args.drafter)
+    check_pair(target, drafter, tokenizer)
+    grown = insert_layers(drafter, target, [int(i) for i in args.insert_target_layers.split(",")])
+    with atomic_folder(Path(args.out)) as tmp:
+        grown.save_pretrained(tmp)
+    layers = grown.config.target_layer_ids
+    print(f"{len(layers)}-layer drafter (target layers {layers}) written to {args.out}")
+
+
 def _cmd_draft_vocab(args: argparse.Namespace) -> None:
     from hf_d3d.draft_vocab import write_with_draft_vocab
     from hf_d3d.train.distill import load_records
@@ -451,6 +467,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="compute type of the heal")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_prune)
+
+    p = sub.add_parser("grow", help="add target layers to a trained drafter as identities (then train, then prune)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--insert-target-layers", required=True, help="comma-separated target layers to add, e.g. 5,14,24")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_grow)
 
     p = sub.add_parser(
         "draft-vocab", help="copy a drafter so it proposes only the most frequent tokens (cheaper LM head; lossless)"

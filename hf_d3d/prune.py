@@ -55,6 +55,46 @@ def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
     return pruned.eval()
 
 
+def insert_layers(drafter: D3DDrafterModel, target: PreTrainedModel, layer_ids: list[int]) -> D3DDrafterModel:
+    """A deeper copy of ``drafter`` with copies of ``target``'s layers ``layer_ids`` added, each where it sits in
+    the target's order among the drafter's own (by ``target_layer_ids``).
+
+    An added layer starts as an identity (its attention and MLP output projections zeroed), so the grown drafter
+    drafts exactly like ``drafter`` until training gives the new layers something to add. The round cost measured
+    for the old depth is dropped.
+    """
+    own = list(drafter.config.target_layer_ids or [])
+    n_target = target.config.get_text_config().num_hidden_layers
+    if len(own) != drafter.config.num_hidden_layers:
+        raise ValueError("the drafter does not record which target layers it holds (config.target_layer_ids)")
+    if own != sorted(own):
+        raise ValueError(f"the drafter's target_layer_ids are not in the target's order: {own}")
+    new_ids = sorted(set(layer_ids))
+    if not new_ids or any(not 0 <= i < n_target for i in new_ids) or set(new_ids) & set(own):
+        raise ValueError(f"layer_ids must be new target layers in [0, {n_target}), not in {own}; got {layer_ids}")
+    order = sorted([(i, "own", k) for k, i in enumerate(own)] + [(i, "new", i) for i in new_ids])
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers = len(order)
+    config.target_layer_ids = [i for i, _, _ in order]
+    config.round_cost = None
+    grown = D3DDrafterModel(config).to(dtype=drafter.dtype, device=drafter.device)
+    placed = {k: pos for pos, (_, kind, k) in enumerate(order) if kind == "own"}
+    missing, unexpected = grown.load_state_dict(_renumber_layers(drafter.state_dict(), placed), strict=False)
+    source = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    for pos, (i, kind, _) in enumerate(order):
+        if kind == "new":
+            layer = grown.model.layers[pos]
+            layer.load_state_dict({k: v for k, v in source.layers[i].state_dict().items() if "rotary" not in k})
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+    new_prefixes = tuple(f"model.layers.{pos}." for pos, (_, kind, _) in enumerate(order) if kind == "new")
+    if unexpected or any(not k.startswith(new_prefixes) for k in missing):
+        raise ValueError(f"the drafter's weights do not fit the grown layout: {missing} {unexpected}")
+    grown.generation_config = copy.deepcopy(drafter.generation_config)
+    return grown.eval()
+
+
 def tau_with_skipped(
     target: PreTrainedModel, drafter: D3DDrafterModel, prompts_ids: list[list[int]], skip: set[int], max_new: int
 ) -> float:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from conftest import make_drafter, tiny_target
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-from hf_d3d.prune import drop_layers, make_healer, prune
+from hf_d3d.prune import drop_layers, insert_layers, make_healer, prune
 from hf_d3d.train.distill import DistillConfig, distill, load_records
 from hf_d3d.train.trainer import TrainConfig, train
 
@@ -165,3 +165,31 @@ def test_prune_cli_refuses_heal_steps_without_data(tmp_path):
 
     with pytest.raises(SystemExit, match="--heal-steps and --heal-data go together"):
         main(["prune", "--drafter", str(tmp_path), "--heal-steps", "10", "--out", str(tmp_path / "out")])
+
+
+def test_grown_drafter_drafts_like_the_original_and_prunes_back_to_it(trained):
+    target, _, prompts = trained
+    small = make_drafter(target, layers=2)  # target layers 0 and 2
+    small.config.round_cost = {"cpu": [1.2, 1.4]}
+    grown = insert_layers(small, target, [1])
+    assert grown.config.num_hidden_layers == 3 and grown.config.target_layer_ids == [0, 1, 2]
+    assert grown.config.round_cost is None  # measured for the old depth
+    added = grown.model.layers[1]
+    torch.testing.assert_close(added.self_attn.q_proj.weight, target.model.layers[1].self_attn.q_proj.weight)
+    assert not added.self_attn.o_proj.weight.any() and not added.mlp.down_proj.weight.any()
+    x = torch.tensor([prompts[0]])
+    torch.testing.assert_close(grown(x).logits, small(x).logits)
+    small.config.round_cost = None
+    assert measure_tau(target, grown, prompts, 24) == measure_tau(target, small, prompts, 24)
+    torch.testing.assert_close(drop_layers(grown, [1]).state_dict(), small.state_dict())
+    grown.train()
+    grown(x).logits.float().logsumexp(-1).sum().backward()
+    assert added.self_attn.o_proj.weight.grad.abs().sum() > 0  # training can move the identity
+    assert added.mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("ids", [[0], [3], []])
+def test_grow_refuses_layers_it_cannot_add(trained, ids):
+    target, _, _ = trained
+    with pytest.raises(ValueError, match="layer_ids"):
+        insert_layers(make_drafter(target, layers=2), target, ids)
