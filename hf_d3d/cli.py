@@ -79,6 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         freeze_embeddings=not args.train_embeddings,
         draft_vocab_loss=not args.full_vocab_loss,
         mixed_precision=args.mixed_precision,
+        save_dtype=args.save_dtype,
         eval_every=args.eval_every,
         save_every=args.save_every,
         seed=args.seed,
@@ -402,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
         "softmax it proposes from)",
     )
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    p.add_argument(
+        "--save-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the final weights (bfloat16 halves a drafter to publish; checkpoints stay fp32)",
+    )
     p.add_argument("--eval-prompts", default="gsm8k:test")
     p.add_argument("--field", default="question")
     p.add_argument("--num-eval-prompts", type=int, default=8)

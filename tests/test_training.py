@@ -211,6 +211,18 @@ def test_a_bf16_checkpoint_trains_with_fp32_weights(toy, toy_data, tmp_path):
     assert (moved[large] > 0).float().mean() > 0.9 and moved.max() < 1e-3
 
 
+def test_final_weights_in_the_save_dtype_checkpoints_in_fp32(toy, toy_data, tmp_path):
+    target, _ = toy
+    cfg = TrainConfig(max_steps=2, batch_size=4, warmup_steps=0, save_every=1, eval_every=1000, save_dtype="bfloat16")
+    drafter = make_drafter(target, block_size=4)
+    final = train(drafter, toy_data, tmp_path, cfg)
+    saved = type(drafter).from_pretrained(final, dtype="auto")
+    assert saved.dtype == torch.bfloat16 and drafter.dtype == torch.float32  # the trained model itself is untouched
+    torch.testing.assert_close(saved.float().state_dict(), drafter.to(torch.bfloat16).float().state_dict())
+    checkpoint = type(drafter).from_pretrained(tmp_path / "checkpoint", dtype="auto")
+    assert checkpoint.dtype == torch.float32
+
+
 class Killed(Exception):
     pass
 

@@ -8,6 +8,7 @@ the batches the interrupted one would have.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -44,6 +45,7 @@ class TrainConfig:
     # With a draft vocabulary, train the softmax the drafter proposes from (and skip most of the LM head).
     draft_vocab_loss: bool = True
     mixed_precision: str = "no"
+    save_dtype: str = "float32"  # of the final weights only; checkpoints stay fp32 so that a resume loses nothing
     eval_every: int = 200
     save_every: int = 100
     seed: int = 0
@@ -118,7 +120,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
     # Published drafters are stored in bf16 to stay small, but small updates vanish in bf16 weights: training
-    # keeps fp32 weights (its checkpoints and final are fp32) and --mixed-precision chooses the compute type.
+    # keeps fp32 weights (its checkpoints are fp32) and --mixed-precision chooses the compute type.
     drafter = drafter.float()  # in place: the caller's model is now fp32 too
     dcfg = drafter.config
     validate_records(records, dcfg.vocab_size, dcfg.max_position_embeddings, dcfg.block_size)
@@ -204,6 +206,8 @@ def train(
     final = out / FINAL
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model).eval()
+        if config.save_dtype != "float32":
+            unwrapped = copy.deepcopy(unwrapped).to(getattr(torch, config.save_dtype))
         with atomic_folder(final, overwrite=True) as tmp:
             unwrapped.save_pretrained(tmp)
             write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
