@@ -103,6 +103,12 @@ def _cmd_train(args: argparse.Namespace) -> None:
     print(f"trained drafter saved to {final}")
 
 
+def _shown(path: str) -> str:
+    """``path`` as a command to publish should show it: the home folder as ``~``, not this machine's own."""
+    home = str(Path.home())
+    return "~" + path[len(home) :] if path == home or path.startswith(home + "/") else path
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
     from hf_d3d.bench import ALL_METHODS, run_bench, write_outputs
     from hf_d3d.checks import check_pair
@@ -137,9 +143,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar)
     result["command"] = (
         "hf-d3d bench"
-        + (f" --drafter {args.drafter}" if args.drafter else "")
-        + (f" --target {args.target}" if args.target else "")
-        + (f" --ar-drafter {args.ar_drafter}" if args.ar_drafter else "")
+        + (f" --drafter {_shown(args.drafter)}" if args.drafter else "")
+        + (f" --target {_shown(args.target)}" if args.target else "")
+        + (f" --ar-drafter {_shown(args.ar_drafter)}" if args.ar_drafter else "")
         + f" --prompts {args.prompts}"
         + (f" --field {args.field}" if args.field != "question" else "")
         + f" --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
@@ -225,7 +231,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(source, args.field, args.num_prompts)]
         res = measure_tau(target, drafter, ids, args.max_new_tokens, progress=True)
         command = (
-            f"hf-d3d eval-tau --drafter {args.drafter} --prompts {source} --num-prompts {args.num_prompts} "
+            f"hf-d3d eval-tau --drafter {_shown(args.drafter)} --prompts {source} --num-prompts {args.num_prompts} "
             f"--max-new-tokens {args.max_new_tokens}{mode}"
         )
         rows.append(

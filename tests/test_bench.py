@@ -69,3 +69,12 @@ def test_run_methods_times_any_named_runners(oracle):
         assert lengths and max(lengths) == k  # each runner's own drafter stats, at its own draft length
     with pytest.raises(ValueError, match="'plain'"):
         bench.run_methods(target, {"k1": fast(1)}, [[5, 6]], 8)
+
+
+def test_published_commands_show_the_home_folder_as_tilde(monkeypatch, tmp_path):
+    from hf_d3d.cli import _shown
+
+    monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    assert _shown(str(tmp_path / "me" / ".cache" / "peer")) == "~/.cache/peer"
+    assert _shown(str(tmp_path / "meme")) == str(tmp_path / "meme")  # a sibling whose name starts the same
+    assert _shown("checkpoints/x") == "checkpoints/x"
