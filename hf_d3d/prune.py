@@ -231,13 +231,14 @@ def plot_report(report: dict, path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot([s["layers"] for s in steps], [_tau_after(s) for s in steps], marker="o", label="kept")
     rejected = [s for s in report["steps"] if not s.get("accepted", True)]
-    if rejected:
-        ax.plot([s["layers"] for s in rejected], [s["tau"] for s in rejected], "x", color="red", label="rejected")
+    if rejected:  # at the tau that refused it: after its heal when it had one
+        ax.plot([s["layers"] for s in rejected], [_tau_after(s) for s in rejected], "x", color="red", label="rejected")
     healed = [s for s in report["steps"] if "healed_tau" in s]
     if healed:  # before healing, the skip-one-layer measurement
         ax.plot([s["layers"] for s in healed], [s["tau"] for s in healed], ".", color="gray", label="before heal")
     ax.axhline(report["base_tau"] * report["retention_threshold"], color="gray", ls="--", lw=1, label="threshold")
     ax.set_xlabel("drafter layers")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("mean tau")
     ax.invert_xaxis()
     ax.legend(fontsize=8)

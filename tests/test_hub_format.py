@@ -104,11 +104,13 @@ def test_pickle_weights_are_never_loaded(saved):
         D3DDrafterModel.from_pretrained(folder, use_safetensors=False)
 
 
-def test_committed_checkpoint_ships_the_current_remote_code():
-    """The committed drafter's trust_remote_code files must be today's modeling/ files, not a stale copy."""
+def test_committed_checkpoints_ship_the_current_remote_code():
+    """Every committed drafter's trust_remote_code files must be today's modeling/ files, not a stale copy."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    for name in REMOTE_FILES:
-        shipped = root / "checkpoints" / "SmolLM2-135M-Instruct-D3D" / name
-        assert shipped.read_text() == (root / "modeling" / name).read_text(), name
+    folders = sorted(p.parent for p in (root / "checkpoints").glob("*/config.json"))
+    assert root / "checkpoints" / "SmolLM2-135M-Instruct-D3D" in folders
+    for folder in folders:
+        for name in REMOTE_FILES:
+            assert (folder / name).read_text() == (root / "modeling" / name).read_text(), f"{folder.name}/{name}"

@@ -81,3 +81,22 @@ def test_calibrate_command_records_round_costs(tmp_path, capsys):
     assert costs["cuda"] == [1.0] * 8 and len(costs["cpu"]) == 8 and all(c > 0 for c in costs["cpu"])
     assert "round cost on cpu" in capsys.readouterr().out
     assert main(["calibrate", "--drafter", str(tmp_path / "missing"), "--repeats", "1"]) == 2  # a clear error
+
+
+def test_committed_pruned_drafter_is_lossless_and_keeps_its_tau(pair):
+    """The pruned checkpoint loads through trust_remote_code with the depth its report states, and stays lossless."""
+    import json
+    from pathlib import Path
+
+    target, tokenizer, _ = pair
+    folder = Path(DEFAULT_DRAFTER).with_name("SmolLM2-135M-Instruct-D3D-pruned")
+    report = json.loads((folder / "prune_report.json").read_text())
+    drafter = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
+    assert drafter.config.num_hidden_layers == report["final_layers"] == len(drafter.config.target_layer_ids)
+    assert drafter.config.target_layer_ids == report["kept_target_layers"]
+    assert report["final_tau"] >= report["retention_threshold"] * report["base_tau"]
+    x = torch.tensor([chat_prompt_ids(tokenizer, load_prompts("gsm8k:test", limit=1)[0])])
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
+    ref = target.generate(x, **kw)
+    assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
+    assert torch.equal(speculative_generate(target, drafter, x, max_new_tokens=64), ref)

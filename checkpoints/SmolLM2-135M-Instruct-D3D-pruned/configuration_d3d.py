@@ -1,0 +1,94 @@
+"""Configuration of the D3D drafter: a small decoder over the target's vocabulary that drafts blocks of tokens."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+
+class D3DConfig(PreTrainedConfig):
+    r"""Configuration for [`D3DDrafterModel`].
+
+    Layer fields mirror the target family (Llama, Qwen2, Qwen3, Mistral) so that target layers copy over as they are.
+    D3D fields:
+        block_size: draft slots per block (tokens proposed per round).
+        mask_token_id: a token of the vocabulary whose embedding fills draft slots, or ``None`` for a learned mask
+            embedding that lives outside the output vocabulary.
+        target_layer_ids: which target layers the drafter layers were copied from (provenance; kept through pruning).
+        tokenizer_fingerprint: short hash of the target tokenizer's vocabulary, checked against the target's.
+        async_drafting: draft the next block for likely verification outcomes while the target verifies;
+            ``None`` means on where it helps (CUDA) and off elsewhere.
+        num_hypotheses: how many (acceptance length, correction token) outcomes one packed pass drafts for.
+        draft_vocab_size: if set, the drafter proposes only this many tokens (the ``draft_vocab`` buffer, chosen
+            by frequency in the training data) and computes its LM head over them alone at inference; on a small
+            target the full head is most of a draft's cost. Verification still uses the target's full vocabulary.
+        round_cost: per device type (``"cpu"``, ``"cuda"``), the measured cost of a round that proposes k = 1, 2, ...
+            tokens (one draft plus one target forward over k + 1 tokens), in target decode steps. Where set, each
+            round proposes the number of tokens (up to ``num_assistant_tokens``) with the most expected committed
+            tokens per unit of cost; elsewhere every round proposes ``num_assistant_tokens``. ``hf-d3d calibrate``
+            measures it; it only changes speed, never the output.
+    """
+
+    model_type = "d3d_drafter"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 32000
+    hidden_size: int = 512
+    intermediate_size: int = 1376
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
+    use_qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    block_size: int = 8
+    mask_token_id: int | None = None
+    target_model_type: str | None = None
+    target_layer_ids: list[int] | None = None
+    tokenizer_fingerprint: str | None = None
+    async_drafting: bool | None = None
+    num_hypotheses: int = 4
+    draft_vocab_size: int | None = None
+    round_cost: dict[str, list[float]] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        super().__post_init__(**kwargs)
+        self.validate_d3d()
+
+    def validate_d3d(self) -> None:
+        """Reject settings the drafter cannot run with, with a message that names the field."""
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is out of range for vocab_size {self.vocab_size}; "
+                "use an id of the vocabulary or None for a learned mask embedding"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        for device, costs in (self.round_cost or {}).items():
+            if not costs or any(not c > 0 for c in costs):
+                raise ValueError(f"round_cost[{device!r}] must be a non-empty list of positive costs, got {costs}")
+        if self.num_hypotheses < 1:
+            raise ValueError(f"num_hypotheses must be >= 1, got {self.num_hypotheses}")
+
+
+__all__ = ["D3DConfig"]

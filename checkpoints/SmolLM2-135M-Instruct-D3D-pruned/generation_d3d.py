@@ -1,0 +1,382 @@
+"""Drafting with a D3D drafter: the candidate generator behind ``target.generate(assistant_model=drafter)``.
+
+transformers' assisted loop calls ``drafter.generate`` once per round and hands back whatever came out as
+``past_key_values`` (``cache`` from transformers 5.24). We return a :class:`D3DCandidateGenerator` there, so the
+drafter state (its KV cache over committed tokens, its statistics) lives exactly as long as one
+``target.generate`` call and needs no global patch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.generation import CandidateGenerator, LogitsProcessorList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .attention_d3d import pack_blocks
+
+
+@dataclass
+class D3DStats:
+    """What one generation did. ``tau`` is committed tokens per target forward, bonus token included.
+
+    Inside ``target.generate`` the outcome of the final round is never shown to the drafter, so the counts cover
+    the rounds whose outcome it saw; the fast loop and the benchmark count every round. Async fields:
+    ``packed_passes`` launched, ``hits`` (next draft served from the packed pass), ``misses`` (sync draft needed).
+    ``critical_draft_seconds`` is host time spent drafting before the target could verify (sync drafts and joins).
+    """
+
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    committed_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    packed_passes: int = 0
+    hits: int = 0
+    misses: int = 0
+    critical_draft_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        observed = len(self.acceptance_lengths)
+        return self.committed_tokens / observed if observed else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+    def record(self, accepted: int, committed: int) -> None:
+        self.acceptance_lengths.append(accepted)
+        self.accepted_tokens += accepted
+        self.committed_tokens += committed
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tau": self.tau, "hit_rate": self.hit_rate}
+
+
+@dataclass
+class _Pending:
+    """A packed pass in flight: the draft it assumed, its hypotheses and their slot logits."""
+
+    committed_len: int  # L: committed tokens when the draft d_1..d_k was proposed
+    draft: list[int]
+    outcomes: list[tuple[int, int | None]]  # (accepted a, correction token g); g None: bonus guessed by slot 0
+    logits: torch.Tensor  # [num_hypotheses, block_size, draft vocabulary]
+    event: object = None  # CUDA event recorded on the side stream after the pass
+
+
+def choose_hypotheses(
+    probs: torch.Tensor, draft: list[int], budget: int, with_bonus: bool = True
+) -> list[tuple[int, int | None]]:
+    """The ``budget`` most likely verification outcomes (a accepted, correction g) under the draft's own confidence.
+
+    ``probs`` is ``[k, vocab]``: the drafter's distribution at each draft slot. Outcome (a, g) with a < k means
+    d_1..d_a accepted and g (not d_{a+1}) committed instead; (k, None) means all accepted and a bonus token whose
+    guess is the first slot of a block anchored after d_k.
+    """
+    k = len(draft)
+    p_draft = probs[torch.arange(k), torch.tensor(draft)].clamp(0.0, 1.0).tolist()
+    scored: list[tuple[float, tuple[int, int | None]]] = []
+    reach = 1.0  # probability that d_1..d_a are all accepted
+    for a in range(k):
+        alt = probs[a].clone()
+        alt[draft[a]] = 0.0
+        top = alt.topk(min(budget, alt.numel()))
+        for prob, tok in zip(top.values.tolist(), top.indices.tolist()):
+            scored.append((reach * prob, (a, tok)))  # P(d_1..d_a accepted) * P(target says g at slot a+1)
+        reach *= p_draft[a]
+    if with_bonus:
+        scored.append((reach * 0.5, (k, None)))
+    scored.sort(key=lambda x: -x[0])
+    return [outcome for _, outcome in scored[:budget]]
+
+
+def draft_length(confidence: list[float], round_cost: list[float]) -> int:
+    """How many leading draft tokens to propose: the k with the most expected committed tokens per unit of cost.
+
+    ``confidence[i]`` is the drafter's probability that draft token i + 1 is right; ``round_cost[k - 1]`` is the
+    cost of a round that proposes k tokens. Such a round commits 1 + sum over i <= k of prod over j <= i of
+    ``confidence[j]`` tokens in expectation (the correction or bonus token always comes). Ties go to the shorter
+    draft; k never exceeds either list.
+    """
+    best_k, best, reach, expected = 0, 0.0, 1.0, 1.0
+    for k, (p, cost) in enumerate(zip(confidence, round_cost), start=1):
+        reach *= p
+        expected += reach
+        if expected / cost > best:
+            best_k, best = k, expected / cost
+    return best_k
+
+
+class D3DCandidateGenerator(CandidateGenerator):
+    """Proposes one block of ``block_size`` tokens per round from the drafter's own cache of committed tokens.
+
+    Where the drafter's config holds a measured ``round_cost`` for this device, a round proposes only the leading
+    tokens of the block that pay for themselves (:func:`draft_length`); that costs one host read of the draft's
+    confidences per round.
+
+    With ``async_drafting`` it also launches, right after proposing a draft, one packed pass that drafts the next
+    block for the likeliest verification outcomes; on CUDA it runs on a side stream while the target verifies.
+    When the outcome is among them (a hit) the next draft costs nothing on the critical path; otherwise (a miss)
+    a sync draft runs. Output is the same either way.
+
+    It also answers the two cache calls that transformers' assisted loop makes on the assistant's
+    ``past_key_values`` (``get_seq_length`` and ``crop``), which is how it rides along between rounds.
+    """
+
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        logits_processor: LogitsProcessorList | None = None,
+        do_sample: bool = False,
+        block_size: int | None = None,
+        async_drafting: bool | None = None,
+        num_hypotheses: int | None = None,
+    ):
+        self.drafter = drafter
+        config = drafter.config
+        self.block_size = block_size or config.block_size
+        # transformers hands the assistant a plain list of processors; the wrapper makes it callable
+        self.logits_processor = LogitsProcessorList(logits_processor or [])
+        self.do_sample = do_sample
+        self.cache = DynamicCache()
+        self.stats = D3DStats()
+        self._last_draft: torch.LongTensor | None = None  # [1, k] tokens proposed last round
+        self._last_len = 0  # committed length when they were proposed
+        fill = config.mask_token_id
+        self._fill_id = fill if fill is not None else 0  # slot embeddings are replaced, the id only fills the tensor
+        if async_drafting is None:
+            async_drafting = getattr(config, "async_drafting", None)
+        device = next(drafter.parameters()).device
+        if async_drafting is None:  # on by default only where the packed pass can hide behind verification
+            async_drafting = device.type == "cuda"
+        self.async_drafting = bool(async_drafting)
+        # Round costs measured for this device type (hf-d3d calibrate); without them every round drafts in full.
+        self.round_cost = (getattr(config, "round_cost", None) or {}).get(device.type)
+        self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
+        self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
+        self._pending: _Pending | None = None
+        # Drafting works over the draft vocabulary (argmax, confidences, hypotheses: a sixth of the work for 8k of
+        # 49k tokens); full-vocabulary logits are built only for what get_candidates hands back.
+        self._vocab = drafter.draft_vocab if getattr(config, "draft_vocab_size", None) else None
+
+    # -- the cache protocol of transformers' AssistedCandidateGenerator -------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length(layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.cache.crop(tokens_to_remove)
+
+    # -- the draft vocabulary -------------------------------------------------------------------------------------
+    def _tokens(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of positions in the draft vocabulary."""
+        return index if self._vocab is None else self._vocab[index]
+
+    def _positions(self, tokens: list[int]) -> list[int]:
+        """Positions in the (sorted) draft vocabulary of tokens the drafter proposed, which always lie inside it."""
+        if self._vocab is None:
+            return tokens
+        return torch.searchsorted(self._vocab, torch.tensor(tokens, device=self._vocab.device)).tolist()
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits as full-vocabulary logits, ``-inf`` for tokens the drafter never proposes."""
+        return logits if self._vocab is None else self.drafter.expand_draft_logits(logits)
+
+    # -- drafting -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def get_candidates(
+        self, input_ids: torch.LongTensor, max_new_tokens: int | None = None, **kwargs
+    ) -> tuple[torch.LongTensor, torch.FloatTensor]:
+        """Return ``input_ids`` extended by up to ``block_size`` draft tokens, and the logits they were drawn from."""
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"D3D drafting supports batch size 1 (as transformers' assisted decoding); got {input_ids.shape[0]}"
+            )
+        start = time.perf_counter()
+        self._observe(input_ids)
+        k = self.block_size if max_new_tokens is None else max(0, min(self.block_size, max_new_tokens))
+        logits = self._take_hypothesis(input_ids)
+        if k == 0:
+            return input_ids, input_ids.new_zeros((1, 0, self.drafter.config.vocab_size), dtype=torch.float)
+        if logits is None or logits.shape[1] == 0:
+            logits = self._draft_logits(input_ids)
+        logits = logits[:, :k]
+        draft, scores = self._choose(input_ids, logits)
+        if self.round_cost is not None and draft.shape[1] > 1:
+            # Judged on the drafter's own distributions, never on the drawn tokens: a cut that looked at a sampled
+            # token would bias which tokens reach verification, and speculative sampling would no longer be exact.
+            confidence = logits[0, : draft.shape[1]].softmax(-1).amax(-1).tolist()
+            keep = draft_length(confidence, self.round_cost)
+            draft, scores = draft[:, :keep], scores[:, :keep]
+        k = draft.shape[1]
+        self._last_draft, self._last_len = draft, input_ids.shape[1]
+        self.stats.rounds += 1
+        self.stats.drafted_tokens += k
+        if self.async_drafting:
+            self._launch_packed(input_ids, draft, logits)
+        # host time before the target can verify; on CPU the packed pass runs in line and so is included
+        self.stats.critical_draft_seconds += time.perf_counter() - start
+        return torch.cat([input_ids, draft], dim=1), scores
+
+    def record_outcome(self, accepted: int, committed: int) -> None:
+        """Record a round's outcome when the caller knows it (the fast loop) instead of inferring it next round."""
+        self.stats.record(accepted, committed)
+        self._last_draft = None
+
+    def _observe(self, input_ids: torch.LongTensor) -> None:
+        """Infer how much of the last draft the target accepted from the tokens it committed since."""
+        if self._last_draft is None:
+            return
+        new = input_ids[0, self._last_len :]
+        draft = self._last_draft[0, : max(len(new) - 1, 0)]
+        accepted = int((new[: len(draft)] == draft).int().cumprod(0).sum()) if len(draft) else 0
+        self.stats.record(accepted, len(new))
+        self._last_draft = None
+
+    def _draft_logits(self, input_ids: torch.LongTensor) -> torch.FloatTensor:
+        """One drafter forward: uncached committed tokens as context plus one block anchored at the last of them.
+
+        Returns the slots' logits over the draft vocabulary (the full one when the drafter has none)."""
+        past = self.cache.get_seq_length()
+        if past >= input_ids.shape[1]:  # the cache must end before the last committed token, which anchors the block
+            self.cache.crop(-(past - input_ids.shape[1] + 1))
+            past = input_ids.shape[1] - 1
+        ids, layout = pack_blocks(input_ids[:, past:], past, [input_ids.shape[1] - 1], self.block_size, self._fill_id)
+        slots = torch.arange(layout.num_context, ids.shape[1], device=ids.device)
+        return self._run(ids, layout, slots).float()
+
+    def _run(self, ids: torch.LongTensor, layout, keep: torch.Tensor) -> torch.Tensor:
+        """Drafter forward over ``ids`` (context enters the cache); logits over the draft vocabulary at ``keep``."""
+        draft_only = {"draft_logits": True} if self._vocab is not None else {}
+        return self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=keep, **draft_only).logits
+
+    # -- asynchronous packed drafting ------------------------------------------------------------------------------
+    def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:
+        """Draft the next block for the likeliest outcomes of verifying ``draft``, in one packed forward.
+
+        Context = uncached committed tokens + the draft itself (valid for every accepted prefix, since context
+        attention is causal); it enters the cache and is cropped to the accepted prefix once the outcome is known.
+        """
+        committed = input_ids.shape[1]
+        tokens = draft[0].tolist()
+        # the bonus block spends its first slot on guessing the bonus, so a block of one has no draft left after it
+        found = choose_hypotheses(
+            logits[0].softmax(-1), self._positions(tokens), self.num_hypotheses, self.block_size > 1
+        )
+        guesses = self._tokens(torch.tensor([g or 0 for _, g in found], device=draft.device)).tolist()  # one read
+        outcomes = [(a, None if g is None else tok) for (a, g), tok in zip(found, guesses)]
+        anchors = [committed - 1 + a for a, _ in outcomes]
+        prefixes = [[g] if g is not None else [] for _, g in outcomes]
+        past = self.cache.get_seq_length()
+        context = torch.cat([input_ids[:, past:], draft], dim=1)
+        ids, layout = pack_blocks(context, past, anchors, self.block_size, self._fill_id, prefixes)
+        slot_index = layout.is_slot[0].nonzero().squeeze(1)
+        if self._side_stream is not None:
+            device = ids.device
+            self._side_stream.wait_stream(torch.cuda.current_stream(device))  # draft tokens come from the main stream
+            # Tensors made on the main stream and read (or freed, like the cache tensors that update() replaces)
+            # by the side stream must not be handed back to the main stream's allocator before the pass is done.
+            inputs = [ids, slot_index, layout.position_ids, layout.block_ids, layout.is_slot, layout.anchors]
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None:
+                    inputs += [layer.keys, layer.values]
+            for t in inputs:
+                t.record_stream(self._side_stream)
+            with torch.cuda.stream(self._side_stream):
+                out = self._run(ids, layout, slot_index)
+                event = torch.cuda.Event()
+                event.record(self._side_stream)
+        else:
+            out = self._run(ids, layout, slot_index)
+            event = None
+        self._pending = _Pending(committed, tokens, outcomes, out.view(len(outcomes), self.block_size, -1), event)
+        self.stats.packed_passes += 1
+
+    def _take_hypothesis(self, input_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Join the packed pass; on a hit return the next draft's slot logits ``[1, n, vocab]``, else ``None``."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        if pending.event is not None:
+            main = torch.cuda.current_stream(input_ids.device)
+            main.wait_event(pending.event)
+            # The pass allocated its logits and the grown cache tensors on the side stream; the main stream reads
+            # them from here on, so their memory must not be reused by the side stream before the main one is done.
+            pending.logits.record_stream(main)
+            for layer in self.cache.layers:
+                if getattr(layer, "keys", None) is not None:
+                    layer.keys.record_stream(main)
+                    layer.values.record_stream(main)
+        new = input_ids[0, pending.committed_len :].tolist()
+        accepted = len(new) - 1
+        common = 0  # committed tokens that extend the draft the packed pass assumed
+        while common < min(len(new), len(pending.draft)) and new[common] == pending.draft[common]:
+            common += 1
+        # The packed pass cached the whole draft; keep only what was committed (transformers may have cropped more).
+        keep = min(self.cache.get_seq_length(), pending.committed_len + common)
+        self.cache.crop(-(self.cache.get_seq_length() - keep))
+        if accepted < 0 or common < accepted:
+            self.stats.misses += 1
+            return None
+        correction = new[-1]
+        for i, (a, g) in enumerate(pending.outcomes):
+            if a != accepted:
+                continue
+            block = pending.logits[i : i + 1].float()
+            if g == correction:
+                self.stats.hits += 1
+                return block
+            if g is None and int(self._tokens(block[0, 0].argmax())) == correction:
+                # bonus block: its first slot guessed the bonus token right; the rest is the next draft
+                self.stats.hits += 1
+                return block[:, 1:]
+        self.stats.misses += 1
+        return None
+
+    def _choose(
+        self, input_ids: torch.LongTensor, logits: torch.FloatTensor
+    ) -> tuple[torch.LongTensor, torch.FloatTensor]:
+        """Pick draft tokens from draft-vocabulary ``logits``; return them with each slot's processed logits over the
+        full vocabulary: exactly the distribution it was drawn from."""
+        if not self.do_sample and len(self.logits_processor) == 0:
+            return self._tokens(logits.argmax(-1)), self._full(logits)
+        logits = self._full(logits)  # processors and sampling index by token id
+        seq = input_ids
+        scores = torch.empty_like(logits)
+        proposable = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+        for i in range(logits.shape[1]):
+            # Processors such as repetition penalty read the tokens drafted so far, as they will at verification.
+            scores[:, i] = self.logits_processor(seq, logits[:, i])
+            # A row with no finite score (processors ruled out every token the drafter can propose, e.g. bad words
+            # within a draft vocabulary) ends the draft. The cut is made after the loop, so the host reads the
+            # device once per round; meanwhile such a row draws from a harmless uniform stand-in.
+            proposable[i] = torch.isfinite(scores[:, i]).any()
+            row = torch.where(proposable[i], scores[:, i], 0.0)
+            if self.do_sample:
+                nxt = torch.multinomial(row.softmax(-1), 1)
+            else:
+                nxt = row.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+        keep = int(proposable.long().cumprod(0).sum())
+        return seq[:, input_ids.shape[1] : input_ids.shape[1] + keep], scores[:, :keep]
+
+
+def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> GenerateDecoderOnlyOutput:
+    """What ``drafter.generate`` answers when transformers' assisted loop asks it for candidates."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"D3D assisted generation supports batch size 1, got {input_ids.shape[0]}")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("D3D assisted generation does not support padded inputs (attention_mask with zeros)")
+    config = kwargs["generation_config"]
+    # transformers <= 5.23 hands the assistant's state back as `past_key_values`, 5.24 renamed it `cache`
+    generator = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(generator, D3DCandidateGenerator):
+        generator = D3DCandidateGenerator(drafter, kwargs.get("logits_processor"), do_sample=bool(config.do_sample))
+        drafter.last_stats = generator.stats
+    sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
+    state_field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores.unbind(1)), **{state_field: generator})

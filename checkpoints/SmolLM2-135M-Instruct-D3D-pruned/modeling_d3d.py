@@ -1,0 +1,409 @@
+"""D3D drafter: a token-only decoder that drafts blocks of tokens for speculative decoding.
+
+The layers are the target family's (RMSNorm, rotary positions, grouped-query attention, gated MLP, optional q/k
+norm and attention bias) and are named like transformers' Llama/Qwen layers, so target layers copy over as they are.
+The drafter never reads the target's hidden states: it keeps its own KV cache over context tokens only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .attention_d3d import CONTEXT, D3DLayout, d3d_attention_mask
+from .configuration_d3d import D3DConfig
+
+_SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class D3DRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the target families do, so copied layers behave as they did in the target.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class D3DRotary(nn.Module):
+    def __init__(self, config: D3DConfig):
+        super().__init__()
+        self.config = config
+        inv_freq, self.scaling = self.compute_inv_freq()
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    def compute_inv_freq(self) -> tuple[torch.Tensor, float]:
+        params = self.config.rope_parameters
+        if params.get("rope_type", "default") == "default":
+            dim = self.config.head_dim
+            return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        return ROPE_INIT_FUNCTIONS[params["rope_type"]](self.config)  # scaled variants: transformers' own table
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [batch, 1, T, head_dim]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class D3DAttention(nn.Module):
+    def __init__(self, config: D3DConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.use_qk_norm:
+            self.q_norm = D3DRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = D3DRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: DynamicCache | None, num_context: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            # Only context tokens enter the cache; block tokens are scratch that the next round must not see.
+            k_ctx, v_ctx = cache.update(k[:, :, :num_context], v[:, :, :num_context], self.layer_idx)
+            k = torch.cat([k_ctx, k[:, :, num_context:]], dim=2)
+            v = torch.cat([v_ctx, v[:, :, num_context:]], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class D3DMLP(nn.Module):
+    def __init__(self, config: D3DConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class D3DDecoderLayer(nn.Module):
+    def __init__(self, config: D3DConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = D3DAttention(config, layer_idx)
+        self.mlp = D3DMLP(config)
+        self.input_layernorm = D3DRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = D3DRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, num_context):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, num_context)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class D3DPreTrainedModel(PreTrainedModel):
+    config_class = D3DConfig
+    config: D3DConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["D3DDecoderLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, D3DRMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, D3DRotary):
+            # from_pretrained leaves non-persistent buffers empty and relies on this to fill them
+            with torch.no_grad():
+                module.inv_freq.copy_(module.compute_inv_freq()[0])
+        elif isinstance(module, D3DBackbone) and module.mask_embedding is not None:
+            nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
+
+
+class D3DBackbone(D3DPreTrainedModel):
+    def __init__(self, config: D3DConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        # A learned mask vector lives outside the output vocabulary, so vocab_size still equals the target's.
+        self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size)) if config.mask_token_id is None else None
+        self.layers = nn.ModuleList(D3DDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = D3DRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = D3DRotary(config)
+        self.skip_layers: set[int] = set()  # layers bypassed at run time (used to measure pruning candidates)
+        self.post_init()
+
+    def mask_vector(self) -> torch.Tensor:
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        return self.embed_tokens.weight[self.config.mask_token_id]
+
+    def forward(self, input_ids, is_slot, position_ids, mask, cache, num_context) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if is_slot is not None:
+            h = torch.where(is_slot[..., None], self.mask_vector().to(h.dtype), h)
+        cos, sin = self.rotary(position_ids, h.dtype)
+        for i, layer in enumerate(self.layers):
+            if i in self.skip_layers:
+                if cache is not None:  # keep cache layer indices aligned with the layer list
+                    cache.update(*(torch.zeros_like(h[:, None, :num_context, :1]),) * 2, i)
+                continue
+            h = layer(h, cos, sin, mask, cache, num_context)
+        return self.norm(h)
+
+
+class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
+    """The D3D drafter. Pass it as ``assistant_model`` to ``target.generate`` to decode faster, losslessly."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: D3DConfig):
+        super().__init__(config)
+        self.model = D3DBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.draft_vocab_size is not None:
+            self.draft_vocab = nn.Buffer(torch.arange(config.draft_vocab_size))  # saved with the weights
+        self._draft_head: tuple[tuple, torch.Tensor] | None = None  # (key of lm_head.weight's state, its rows)
+        self.last_stats = None  # D3DStats of the most recent drafting session (set by the candidate generator)
+        self.post_init()
+        # Both Auto classes resolve to the drafter in a saved folder (save_pretrained copies these files there).
+        config.auto_map = {
+            "AutoConfig": "configuration_d3d.D3DConfig",
+            "AutoModel": "modeling_d3d.D3DDrafterModel",
+            "AutoModelForCausalLM": "modeling_d3d.D3DDrafterModel",
+        }
+        if self.generation_config is not None:
+            # transformers' assisted loop asks the assistant for `num_assistant_tokens` tokens per round.
+            self.generation_config.num_assistant_tokens = config.block_size
+            self.generation_config.num_assistant_tokens_schedule = "constant"
+            # 0 rather than None: transformers replaces None with its default (0.4), which turns on a per-round
+            # confidence fit that D3D does not use and that costs a host sync
+            self.generation_config.assistant_confidence_threshold = 0.0
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        layout: D3DLayout | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: DynamicCache | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        draft_logits: bool = False,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Run context tokens and draft blocks described by ``layout``; without one, a plain causal LM pass.
+
+        ``logits_to_keep``: an int keeps the last n positions (0 = all); an index tensor keeps those positions; a
+        boolean ``[batch, T]`` tensor keeps the marked positions, flattened to ``[N, vocab]`` (training).
+        ``draft_logits``: logits over the draft vocabulary only, ``[..., draft_vocab_size]`` in its order (training
+        the distribution the drafter proposes from, at a sixth of the head's cost for 8k of 49k tokens).
+        """
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if layout is None:
+            layout = _causal_layout(input_ids, past, position_ids)
+        mask = d3d_attention_mask(layout, past)
+        if attention_mask is not None and attention_mask.dim() == 2:  # padding mask over past + current keys
+            mask = mask & attention_mask[:, None, None, -mask.shape[-1] :].bool()
+        if use_cache is False:
+            past_key_values = None
+        elif past_key_values is None and (use_cache or self.config.use_cache):
+            past_key_values = DynamicCache()
+        hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, past_key_values, layout.num_context)
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        elif logits_to_keep.dtype == torch.bool:
+            hidden = hidden[logits_to_keep]
+        else:
+            hidden = hidden[:, logits_to_keep]
+        if draft_logits and self.config.draft_vocab_size is None:
+            raise ValueError("draft_logits=True needs a draft vocabulary (set_draft_vocab)")
+        return CausalLMOutputWithPast(logits=self._logits(hidden, draft_logits), past_key_values=past_key_values)
+
+    def _logits(self, hidden: torch.Tensor, draft_only: bool = False) -> torch.Tensor:
+        """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``.
+
+        ``draft_only`` returns the draft vocabulary's columns alone. Training uses the full head unless asked.
+        """
+        if self.config.draft_vocab_size is None or (self.training and not draft_only):
+            return self.lm_head(hidden)
+        weight, ids = self.lm_head.weight, self.draft_vocab
+        if self.training:  # fresh rows, so a trainable head gets its gradient
+            sub = F.linear(hidden, weight.index_select(0, ids))
+        else:
+            # The gathered rows are reused until the head or the ids change (device, dtype or an in-place update;
+            # tensors made under inference_mode have no version counter and cannot be updated in place outside it).
+            key = tuple((t.data_ptr(), t.dtype, -1 if t.is_inference() else t._version) for t in (weight, ids))
+            if self._draft_head is None or self._draft_head[0] != key:
+                self._draft_head = (key, weight.detach().index_select(0, ids))
+            sub = F.linear(hidden, self._draft_head[1])
+        return sub if draft_only else self.expand_draft_logits(sub)
+
+    def expand_draft_logits(self, sub: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (its order) as full-vocabulary logits, ``-inf`` outside it."""
+        full = sub.new_full((*sub.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(full.dim() - 1, self.draft_vocab, sub)
+
+    def set_draft_vocab(self, token_ids: list[int] | torch.Tensor | None) -> None:
+        """Restrict proposals to ``token_ids`` (deduplicated, sorted; ``None`` lifts the restriction)."""
+        if token_ids is None:
+            self.config.draft_vocab_size = None
+            if hasattr(self, "draft_vocab"):
+                del self.draft_vocab
+            self._draft_head = None
+            return
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique()
+        if len(ids) == 0 or ids[0] < 0 or ids[-1] >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary must be a non-empty set of ids in [0, {self.config.vocab_size})")
+        self.config.draft_vocab_size = len(ids)
+        self.draft_vocab = nn.Buffer(ids.to(self.lm_head.weight.device))
+        self._draft_head = None
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Load safetensors weights only, and refuse a checkpoint whose tensors do not match the config."""
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("D3D drafters load safetensors weights only")
+        kwargs["use_safetensors"] = True
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if bad:
+            # A partly random drafter would still be lossless but silently slow: say so instead.
+            raise ValueError(f"drafter checkpoint does not match its config: {bad}")
+        return (model, info) if want_info else model
+
+    @torch.no_grad()
+    def generate(self, inputs: torch.Tensor | None = None, **kwargs):
+        """As an ``assistant_model``, answer with one D3D draft block; otherwise behave as a plain causal LM."""
+        generation_config = kwargs.get("generation_config")
+        if generation_config is not None and getattr(generation_config, "is_assistant", False):
+            from .generation_d3d import assistant_generate
+
+            return assistant_generate(self, inputs if inputs is not None else kwargs.pop("input_ids"), **kwargs)
+        return super().generate(inputs, **kwargs)
+
+    @classmethod
+    def from_target(
+        cls,
+        target: PreTrainedModel,
+        num_hidden_layers: int | None = None,
+        block_size: int = 8,
+        layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        tokenizer_fingerprint: str | None = None,
+        **config_overrides,
+    ) -> D3DDrafterModel:
+        """Build a drafter whose embeddings, LM head, final norm and layers are copies of ``target``'s.
+
+        ``layer_ids`` picks target layers to copy; by default ``num_hidden_layers`` layers spread evenly from the
+        first to the last. ``tokenizer_fingerprint`` (see ``hf_d3d.checks``) lets a mismatched pair be caught later.
+        """
+        if config_overrides.get("draft_vocab_size") is not None:
+            raise ValueError("choose a draft vocabulary with drafter.set_draft_vocab(token_ids), not a size alone")
+        tcfg = target.config.get_text_config()
+        if tcfg.model_type not in _SUPPORTED_TARGETS:
+            raise ValueError(f"from_target supports {_SUPPORTED_TARGETS} targets, got {tcfg.model_type!r}")
+        n_target = tcfg.num_hidden_layers
+        if layer_ids is None:
+            n = num_hidden_layers or max(1, n_target // 8)
+            if not 1 <= n <= n_target:
+                raise ValueError(f"num_hidden_layers must be in [1, {n_target}], got {n}")
+            layer_ids = [round(i * (n_target - 1) / max(n - 1, 1)) for i in range(n)] if n > 1 else [0]
+        if any(not 0 <= i < n_target for i in layer_ids):
+            raise ValueError(f"layer_ids must lie in [0, {n_target}), got {layer_ids}")
+        rope = dict(getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+        config = D3DConfig(
+            vocab_size=tcfg.vocab_size,
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_hidden_layers=len(layer_ids),
+            num_attention_heads=tcfg.num_attention_heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
+            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
+            hidden_act=tcfg.hidden_act,
+            max_position_embeddings=tcfg.max_position_embeddings,
+            rms_norm_eps=tcfg.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", 10000.0),
+            rope_parameters=rope,
+            attention_bias=getattr(tcfg, "attention_bias", tcfg.model_type == "qwen2"),
+            use_qk_norm=tcfg.model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(tcfg, "tie_word_embeddings", False)),
+            pad_token_id=tcfg.pad_token_id,
+            bos_token_id=tcfg.bos_token_id,
+            eos_token_id=tcfg.eos_token_id,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            target_model_type=tcfg.model_type,
+            target_layer_ids=list(layer_ids),
+            tokenizer_fingerprint=tokenizer_fingerprint,
+            **config_overrides,
+        )
+        drafter = cls(config).to(dtype=target.dtype)
+        rotary = drafter.model.rotary
+        rotary.inv_freq = rotary.compute_inv_freq()[0]  # rotary frequencies stay fp32 whatever the weight dtype
+        source = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+        drafter.model.embed_tokens.load_state_dict(source.embed_tokens.state_dict())
+        drafter.model.norm.load_state_dict(source.norm.state_dict())
+        if not config.tie_word_embeddings:
+            drafter.lm_head.load_state_dict(target.get_output_embeddings().state_dict())
+        for mine, theirs in zip(drafter.model.layers, layer_ids):
+            missing, unexpected = mine.load_state_dict(_layer_state(source.layers[theirs]), strict=False)
+            if unexpected or any("norm" not in k for k in missing):
+                raise ValueError(f"target layer {theirs} does not map onto a D3D layer: {missing} {unexpected}")
+        if mask_token_id is None:
+            # Start the learned mask vector at the mean token embedding: a neutral point the training moves from.
+            drafter.model.mask_embedding.data.copy_(drafter.model.embed_tokens.weight.mean(0))
+        if target.generation_config is not None:
+            drafter.generation_config.eos_token_id = target.generation_config.eos_token_id
+            drafter.generation_config.pad_token_id = target.generation_config.pad_token_id
+        return drafter.to(target.device).eval()
+
+
+def _layer_state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    # Some families name the rotary / sliding window buffers inside layers; only parameters travel.
+    return {k: v for k, v in layer.state_dict().items() if "rotary" not in k}
+
+
+def _causal_layout(input_ids: torch.LongTensor, past: int, position_ids: torch.LongTensor | None) -> D3DLayout:
+    b, t = input_ids.shape
+    pos = position_ids if position_ids is not None else torch.arange(past, past + t, device=input_ids.device)
+    pos = pos.expand(b, t)
+    return D3DLayout(
+        position_ids=pos,
+        block_ids=torch.full_like(pos, CONTEXT),
+        is_slot=torch.zeros_like(pos, dtype=torch.bool),
+        anchors=pos,
+        past_length=past,
+        num_context=t,
+    )
+
+
+# save_pretrained copies these files next to the weights and writes `auto_map`, so a Hub repo of the drafter loads
+# with `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` and no hf_d3d installed.
+D3DConfig.register_for_auto_class()
+D3DDrafterModel.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["D3DDrafterModel", "D3DConfig"]
