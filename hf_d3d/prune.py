@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from hf_d3d.atomic import atomic_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
-from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.modeling.modeling_d3d import D3DDrafterModel, _layer_state
 from hf_d3d.train.trainer import FINAL, TrainConfig, train
 
 STATE = "prune_state.json"
@@ -84,7 +84,7 @@ def insert_layers(drafter: D3DDrafterModel, target: PreTrainedModel, layer_ids: 
     for pos, (i, kind, _) in enumerate(order):
         if kind == "new":
             layer = grown.model.layers[pos]
-            layer.load_state_dict({k: v for k, v in source.layers[i].state_dict().items() if "rotary" not in k})
+            layer.load_state_dict(_layer_state(source.layers[i]))
             with torch.no_grad():
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
