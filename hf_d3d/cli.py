@@ -34,7 +34,16 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         seed=args.seed,
     )
-    out = distill(target, tokenizer, prompts, args.out, cfg, source=source, backend=args.backend)
+    out = distill(
+        target,
+        tokenizer,
+        prompts,
+        args.out,
+        cfg,
+        source=source,
+        backend=args.backend,
+        finish_partial=args.finish_partial,
+    )
     print(f"distillation data ready in {out}")
 
 
@@ -372,6 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
         "its greedy answers are then the bf16 target's own, recorded in request.json and meta.json",
     )
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--finish-partial",
+        action="store_true",
+        help="generate nothing more: finish an interrupted run (same arguments) with the prompts answered so far "
+        "(its meta.json says partial), so that it can be trained on",
+    )
     p.set_defaults(func=_cmd_distill)
 
     p = sub.add_parser(

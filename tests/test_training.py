@@ -61,6 +61,25 @@ def test_distill_resumes_and_marks_completion(toy, tmp_path):
     assert json.loads((tmp_path / "meta.json").read_text())["num_records"] == 6
 
 
+def test_a_run_cut_short_can_be_finished_as_partial(toy, tmp_path):
+    target, prompts = toy
+    cfg = DistillConfig(max_new_tokens=8, batch_size=2)
+    with pytest.raises(FileNotFoundError, match="nothing to finish"):
+        distill(target, ToyTokenizer(), prompts[:6], tmp_path / "never", cfg, finish_partial=True)
+    assert not (tmp_path / "never").exists()  # nothing half-made left behind
+    distill(target, ToyTokenizer(), prompts[:2], tmp_path, cfg)
+    (tmp_path / "meta.json").unlink()  # as if a 6-prompt run had died after its first batch
+    kept = (tmp_path / "records.jsonl").read_text()
+    distill(target, ToyTokenizer(), prompts[:6], tmp_path, cfg, finish_partial=True)
+    assert (tmp_path / "records.jsonl").read_text() == kept  # nothing more generated
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["partial"] is True and meta["num_prompts"] == 6 and meta["num_records"] == 2
+    assert sorted(r["idx"] for r in load_records(tmp_path)) == [0, 1]
+    full = tmp_path / "full"
+    distill(target, ToyTokenizer(), prompts[:2], full, cfg)
+    assert json.loads((full / "meta.json").read_text())["partial"] is False
+
+
 def test_resuming_with_other_prompts_is_refused(toy, tmp_path):
     target, prompts = toy
     cfg = DistillConfig(max_new_tokens=6, batch_size=4)

@@ -2,7 +2,8 @@
 
 Output folder layout: ``records.jsonl`` (one ``{"idx", "prompt_ids", "response_ids"}`` per line, appended and
 flushed batch by batch, so an interrupted run resumes where it stopped) and ``meta.json``, written atomically only
-when every prompt is done. A folder without ``meta.json`` is an unfinished run, never mistaken for a dataset.
+when every prompt is done, or when asked to finish a run early (``finish_partial``; the meta then says
+``"partial": true``). A folder without ``meta.json`` is an unfinished run, never mistaken for a dataset.
 Generation runs through ``target.generate`` (batched) or, for large targets on GPUs, vLLM's offline engine.
 """
 
@@ -194,10 +195,13 @@ def distill(
     config: DistillConfig | None = None,
     source: str = "",
     backend: str = "transformers",
+    finish_partial: bool = False,
 ) -> Path:
     """Generate the target's responses to ``prompts`` into ``out_dir``; resumes a partial run of the same prompts.
 
     ``target`` is a loaded model for the ``transformers`` backend, or a Hub id / folder for ``vllm``.
+    ``finish_partial`` generates nothing more: it finishes an interrupted run (same arguments) with the prompts
+    answered so far, so a long run can be cut short and trained on; its meta says ``"partial": true``.
     """
     config = config or DistillConfig()
     if not prompts:
@@ -207,6 +211,8 @@ def distill(
     out = Path(out_dir)
     if (out / META).exists():
         return out
+    if finish_partial and not (out / RECORDS).is_file():
+        raise FileNotFoundError(f"{out} holds no started distillation run: nothing to finish")
     if isinstance(target, str):
         if backend != "vllm":
             raise TypeError("the transformers backend needs a loaded model, not a name")
@@ -228,7 +234,9 @@ def distill(
                 f"{len(too_long)} prompts (first: #{too_long[0]}) plus max_new_tokens={config.max_new_tokens} exceed "
                 f"the target's context of {limit} tokens; shorten them or lower max_new_tokens."
             )
-    if backend == "vllm":
+    if finish_partial:
+        generate = None
+    elif backend == "vllm":
         longest = max(len(ids) for ids in encoded) + config.max_new_tokens
         penalty = getattr(generation_config, "repetition_penalty", None) or 1.0
         generate = vllm_backend(target, config, eos_ids, longest, penalty)
@@ -241,8 +249,14 @@ def distill(
         settings["dtype"] = str(target.dtype).removeprefix("torch.")
     _check_request(out, {"backend": backend, **settings})
     done = _read_done(out / RECORDS, encoded)
+    if finish_partial and not done:
+        raise ValueError(f"{out} holds no answered prompt of this run: nothing to finish")
     # Similar lengths in a batch waste less compute on padding; the order is deterministic so resume is exact.
-    todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: (len(encoded[i]), i))
+    todo = (
+        []
+        if finish_partial
+        else sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: (len(encoded[i]), i))
+    )
     empty = 0
     torch.manual_seed(config.seed)
     with open(out / RECORDS, "a", encoding="utf-8") as f, tqdm(total=len(encoded), initial=len(done)) as bar:
@@ -279,7 +293,9 @@ def distill(
             "num_prompts": len(prompts),
             "num_records": n,
             "num_response_tokens": tokens,
-            "skipped_empty": sum(i not in covered for i in range(len(prompts))),
+            "partial": len(done) < len(encoded) and finish_partial,
+            # a partial run cannot tell a prompt whose answer was empty from one it never reached
+            "skipped_empty": None if finish_partial else sum(i not in covered for i in range(len(prompts))),
             **asdict(config),
             **({"dtype": settings["dtype"]} if "dtype" in settings else {}),
         },
