@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -44,7 +45,9 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         backend=args.backend,
         finish_partial=args.finish_partial,
     )
-    print(f"distillation data ready in {out}")
+    meta = json.loads((out / "meta.json").read_text())
+    part = f" (partial: {meta['num_records']} of {meta['num_prompts']} prompts)" if meta.get("partial") else ""
+    print(f"distillation data ready in {out}{part}")
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
@@ -180,8 +183,6 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 def _update_metrics(drafter: str | None, row: dict, always: dict | None = None) -> Path:
     """Merge ``row`` into DRAFTER/d3d_metrics.json by dataset: a new dataset gets ``row``, a known one keeps its
     measured tau and takes ``always`` (with no ``always``, ``row`` replaces it)."""
-    import json
-
     from hf_d3d.atomic import write_json_atomic
     from hf_d3d.targets import DEFAULT_DRAFTER
 
