@@ -281,6 +281,16 @@ def test_bad_records_are_refused():
         validate_records([{**good, "response_ids": [500]}], 96, 512, 4)
 
 
+@pytest.mark.parametrize("field", ["max_steps", "batch_size", "grad_accum", "eval_every", "save_every"])
+def test_zero_counts_are_refused_before_training(field):
+    # --eval-every 0 once ran into a modulo by zero after the first step's work
+    with pytest.raises(ValueError, match=f"{field} must be at least 1"):
+        TrainConfig(**{field: 0})
+    with pytest.raises(ValueError, match="num_blocks must be at least 0"):
+        TrainConfig(num_blocks=-1)
+    assert TrainConfig(num_blocks=0).num_blocks == 0  # the AR peer's objective
+
+
 def test_epochs_count_every_process_batches():
     from hf_d3d.train.trainer import epochs_to_steps
 

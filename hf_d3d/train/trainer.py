@@ -50,6 +50,14 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # Checked before any step runs: a zero here would otherwise fail mid-run (modulo by zero at step 1).
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_blocks < 0:  # 0 is the AR peer's objective: no denoising blocks
+            raise ValueError(f"num_blocks must be at least 0, got {self.num_blocks}")
+
 
 def validate_records(records: list[dict], vocab_size: int, max_positions: int, block_size: int) -> None:
     """Refuse data the drafter cannot learn from, before any step runs."""
