@@ -34,6 +34,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         do_sample=args.do_sample,
         temperature=args.temperature,
         seed=args.seed,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     out = distill(
         target,
@@ -46,7 +47,10 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         finish_partial=args.finish_partial,
     )
     meta = json.loads((out / "meta.json").read_text())
-    part = f" (partial: {meta['num_records']} of {meta['num_prompts']} prompts)" if meta.get("partial") else ""
+    wanted = meta["num_prompts"] - (meta.get("skipped_long") or 0)
+    part = f" (partial: {meta['num_records']} of {wanted} prompts)" if meta.get("partial") else ""
+    if meta.get("skipped_long"):
+        part += f"; {meta['skipped_long']} prompts over --max-prompt-tokens left out"
     print(f"distillation data ready in {out}{part}")
 
 
@@ -368,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="leave out prompts longer than this (chat-templated tokens); they are counted in meta.json",
+    )
     p.add_argument(
         "--backend",
         default="transformers",

@@ -13,7 +13,7 @@ import torch
 from conftest import make_drafter, tiny_target
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.train import trainer
-from hf_d3d.train.distill import DistillConfig, distill, load_records, transformers_backend
+from hf_d3d.train.distill import DistillConfig, chat_prompt_ids, distill, load_records, transformers_backend
 from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
 from hf_d3d.train.trainer import TrainConfig, train, validate_records
 
@@ -78,6 +78,26 @@ def test_a_run_cut_short_can_be_finished_as_partial(toy, tmp_path):
     full = tmp_path / "full"
     distill(target, ToyTokenizer(), prompts[:2], full, cfg)
     assert json.loads((full / "meta.json").read_text())["partial"] is False
+
+
+def test_prompts_over_the_length_cap_are_left_out_and_counted(toy, tmp_path):
+    target, prompts = toy
+    tok = ToyTokenizer()
+    lengths = [len(chat_prompt_ids(tok, p)) for p in prompts[:8]]
+    cap = sorted(lengths)[3]
+    cfg = DistillConfig(max_new_tokens=6, batch_size=4, max_prompt_tokens=cap)
+    distill(target, tok, prompts[:8], tmp_path, cfg)
+    kept = sorted(i for i, n in enumerate(lengths) if n <= cap)
+    assert 0 < len(kept) < 8
+    assert sorted(r["idx"] for r in load_records(tmp_path)) == kept
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["skipped_long"] == 8 - len(kept) and meta["partial"] is False and meta["max_prompt_tokens"] == cap
+    (tmp_path / "meta.json").unlink()  # a resume with another cap would mix two datasets
+    with pytest.raises(ValueError, match="other max_prompt_tokens"):
+        distill(target, tok, prompts[:8], tmp_path, DistillConfig(max_new_tokens=6, max_prompt_tokens=cap + 1))
+    with pytest.raises(ValueError, match="all 8 prompts are longer"):
+        distill(target, tok, prompts[:8], tmp_path / "none", DistillConfig(max_prompt_tokens=1))
+    assert not (tmp_path / "none").exists()
 
 
 def test_resuming_with_other_prompts_is_refused(toy, tmp_path):

@@ -33,6 +33,9 @@ class DistillConfig:
     do_sample: bool = False
     temperature: float = 1.0
     seed: int = 0
+    # Longer prompts are left out (counted in meta.json): chat sets such as ShareGPT hold a few prompts of many
+    # thousand tokens that would cost more than hundreds of short ones, or exceed the target's context.
+    max_prompt_tokens: int | None = None
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
@@ -180,6 +183,7 @@ def _check_request(out: Path, request: dict) -> None:
         old = json.loads(path.read_text())
         if "dtype" in request:  # requests written before the dtype was recorded all ran in float32
             old.setdefault("dtype", "float32")
+        old.setdefault("max_prompt_tokens", None)  # nor did they leave prompts out
         if old != request:
             changed = sorted(k for k in request.keys() | old.keys() if old.get(k) != request.get(k))
             raise ValueError(f"{out} holds a run with other {', '.join(changed)}; distill into a new folder")
@@ -227,8 +231,14 @@ def distill(
     limit = getattr(model_config, "max_position_embeddings", None)
 
     encoded = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    cap = config.max_prompt_tokens
+    if cap is not None and cap < 1:
+        raise ValueError(f"max_prompt_tokens must be at least 1, got {cap}")
+    wanted = [i for i, ids in enumerate(encoded) if cap is None or len(ids) <= cap]
+    if not wanted:
+        raise ValueError(f"all {len(prompts)} prompts are longer than max_prompt_tokens={cap}")
     if limit is not None:
-        too_long = [i for i, ids in enumerate(encoded) if len(ids) + config.max_new_tokens > limit]
+        too_long = [i for i in wanted if len(encoded[i]) + config.max_new_tokens > limit]
         if too_long:
             raise ValueError(
                 f"{len(too_long)} prompts (first: #{too_long[0]}) plus max_new_tokens={config.max_new_tokens} exceed "
@@ -237,7 +247,7 @@ def distill(
     if finish_partial:
         generate = None
     elif backend == "vllm":
-        longest = max(len(ids) for ids in encoded) + config.max_new_tokens
+        longest = max(len(encoded[i]) for i in wanted) + config.max_new_tokens
         penalty = getattr(generation_config, "repetition_penalty", None) or 1.0
         generate = vllm_backend(target, config, eos_ids, longest, penalty)
     else:
@@ -252,14 +262,10 @@ def distill(
     if finish_partial and not done:
         raise ValueError(f"{out} holds no answered prompt of this run: nothing to finish")
     # Similar lengths in a batch waste less compute on padding; the order is deterministic so resume is exact.
-    todo = (
-        []
-        if finish_partial
-        else sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: (len(encoded[i]), i))
-    )
+    todo = [] if finish_partial else sorted((i for i in wanted if i not in done), key=lambda i: (len(encoded[i]), i))
     empty = 0
     torch.manual_seed(config.seed)
-    with open(out / RECORDS, "a", encoding="utf-8") as f, tqdm(total=len(encoded), initial=len(done)) as bar:
+    with open(out / RECORDS, "a", encoding="utf-8") as f, tqdm(total=len(wanted), initial=len(done)) as bar:
         for start in range(0, len(todo), config.batch_size):
             batch = todo[start : start + config.batch_size]
             gen = generate([encoded[i] for i in batch])
@@ -293,9 +299,10 @@ def distill(
             "num_prompts": len(prompts),
             "num_records": n,
             "num_response_tokens": tokens,
-            "partial": len(done) < len(encoded) and finish_partial,
+            "partial": len(done) < len(wanted) and finish_partial,
             # a partial run cannot tell a prompt whose answer was empty from one it never reached
-            "skipped_empty": None if finish_partial else sum(i not in covered for i in range(len(prompts))),
+            "skipped_empty": None if finish_partial else sum(i not in covered for i in wanted),
+            "skipped_long": len(prompts) - len(wanted),
             **asdict(config),
             **({"dtype": settings["dtype"]} if "dtype" in settings else {}),
         },
