@@ -55,6 +55,9 @@ def _cmd_distill(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
     from hf_d3d.checks import check_pair, tokenizer_fingerprint
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
     from hf_d3d.prompts import load_prompts
@@ -63,24 +66,13 @@ def _cmd_train(args: argparse.Namespace) -> None:
     from hf_d3d.train.trainer import TrainConfig, epochs_to_steps, train
 
     records = load_records(*args.data)
-    target, tokenizer = load_target(args.target)
-    resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
-    if args.init_from:
-        drafter = D3DDrafterModel.from_pretrained(args.init_from)
-    else:
-        layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
-        drafter = D3DDrafterModel.from_target(
-            target,
-            num_hidden_layers=args.layers,
-            block_size=args.block_size,
-            layer_ids=layer_ids,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        )
-    check_pair(target, drafter, tokenizer)
-    from accelerate import PartialState
-
-    processes = PartialState().num_processes  # under `accelerate launch`, each process takes its own batches
-    steps = args.steps or epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum, processes)
+    # The settings are checked (TrainConfig) before the models load, so a bad one fails in seconds.
+    # Under `accelerate launch`, each process takes its own batches. PartialState is the one state that the trainer's
+    # Accelerator reuses, so it must honour ACCELERATE_USE_CPU as Accelerator does, or a CPU launch runs unshared.
+    processes = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).num_processes
+    steps = args.steps
+    if steps is None:
+        steps = epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum, processes)
     autoregressive = args.objective == "ar"  # the benchmark's AR peer: next-token loss on every response token
     cfg = TrainConfig(
         max_steps=steps,
@@ -100,6 +92,20 @@ def _cmd_train(args: argparse.Namespace) -> None:
         save_every=args.save_every,
         seed=args.seed,
     )
+    target, tokenizer = load_target(args.target)
+    resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
+    if args.init_from:
+        drafter = D3DDrafterModel.from_pretrained(args.init_from)
+    else:
+        layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
+        drafter = D3DDrafterModel.from_target(
+            target,
+            num_hidden_layers=args.layers,
+            block_size=args.block_size,
+            layer_ids=layer_ids,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        )
+    check_pair(target, drafter, tokenizer)
     eval_ids = None
     if args.eval_prompts and args.num_eval_prompts > 0 and not autoregressive:  # D3D tau means nothing for AR
         eval_ids = [

@@ -92,12 +92,27 @@ def test_prompts_over_the_length_cap_are_left_out_and_counted(toy, tmp_path):
     assert sorted(r["idx"] for r in load_records(tmp_path)) == kept
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["skipped_long"] == 8 - len(kept) and meta["partial"] is False and meta["max_prompt_tokens"] == cap
+    assert meta["skipped_empty"] == len(kept) - len(load_records(tmp_path))  # the left-out ones are not "empty"
     (tmp_path / "meta.json").unlink()  # a resume with another cap would mix two datasets
     with pytest.raises(ValueError, match="other max_prompt_tokens"):
         distill(target, tok, prompts[:8], tmp_path, DistillConfig(max_new_tokens=6, max_prompt_tokens=cap + 1))
     with pytest.raises(ValueError, match="all 8 prompts are longer"):
         distill(target, tok, prompts[:8], tmp_path / "none", DistillConfig(max_prompt_tokens=1))
     assert not (tmp_path / "none").exists()
+    with pytest.raises(ValueError, match="max_prompt_tokens must be at least 1"):
+        DistillConfig(max_prompt_tokens=0)
+
+
+def test_runs_from_before_the_length_cap_still_resume(toy, tmp_path):
+    target, prompts = toy
+    cfg = DistillConfig(max_new_tokens=6, batch_size=4)
+    distill(target, ToyTokenizer(), prompts[:2], tmp_path, cfg)
+    (tmp_path / "meta.json").unlink()  # as if a 4-prompt run had been interrupted
+    request = json.loads((tmp_path / "request.json").read_text())
+    del request["max_prompt_tokens"]  # written before the field existed: no prompt was left out
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    distill(target, ToyTokenizer(), prompts[:4], tmp_path, cfg)
+    assert sorted(r["idx"] for r in load_records(tmp_path)) == [0, 1, 2, 3]
 
 
 def test_resuming_with_other_prompts_is_refused(toy, tmp_path):
@@ -317,3 +332,5 @@ def test_epochs_count_every_process_batches():
     assert epochs_to_steps(1000, 2.0, 8, 1) == 250
     assert epochs_to_steps(1000, 2.0, 8, 1, num_processes=4) == 63  # 4 processes x 8 records per step
     assert epochs_to_steps(1000, 1.0, 8, 2, num_processes=2) == 32
+    with pytest.raises(ValueError, match="at least 1"):
+        epochs_to_steps(1000, 1.0, 0, 1)  # not a ZeroDivisionError

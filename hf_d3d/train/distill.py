@@ -37,6 +37,10 @@ class DistillConfig:
     # thousand tokens that would cost more than hundreds of short ones, or exceed the target's context.
     max_prompt_tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be at least 1, got {self.max_prompt_tokens}")
+
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     """Token ids of ``prompt`` as a single user turn with the generation prompt, or raw if there is no template."""
@@ -232,8 +236,6 @@ def distill(
 
     encoded = [chat_prompt_ids(tokenizer, p) for p in prompts]
     cap = config.max_prompt_tokens
-    if cap is not None and cap < 1:
-        raise ValueError(f"max_prompt_tokens must be at least 1, got {cap}")
     wanted = [i for i, ids in enumerate(encoded) if cap is None or len(ids) <= cap]
     if not wanted:
         raise ValueError(f"all {len(prompts)} prompts are longer than max_prompt_tokens={cap}")

@@ -224,4 +224,9 @@ def train(
 
 def epochs_to_steps(num_records: int, epochs: float, batch_size: int, grad_accum: int, num_processes: int = 1) -> int:
     """Optimizer steps for ``epochs`` passes over the data; each process takes ``batch_size`` records a micro-step."""
+    if min(batch_size, grad_accum, num_processes) < 1 or epochs <= 0:
+        raise ValueError(
+            f"epochs must be positive and batch_size, grad_accum, num_processes at least 1; got {epochs}, "
+            f"{batch_size}, {grad_accum}, {num_processes}"
+        )
     return max(1, math.ceil(num_records * epochs / (batch_size * grad_accum * num_processes)))

@@ -1,0 +1,62 @@
+"""`accelerate launch` runs the training command unchanged: two CPU processes (DDP over gloo), tiny models.
+
+accelerate's own multi-CPU launcher needs mpirun; its torch.distributed launcher (the multi-GPU config) with
+ACCELERATE_USE_CPU set starts the same processes on CPU, which is how this machine can check the path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import VOCAB, tiny_target
+from hf_d3d.train.distill import DistillConfig, distill, load_records
+
+CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+main_process_ip: 127.0.0.1
+main_process_port: {port}
+mixed_precision: 'no'
+use_cpu: false
+"""
+
+
+@pytest.mark.slow
+def test_accelerate_launch_trains_on_two_cpu_processes(tmp_path):
+    # A target folder as the CLI loads it: weights plus a word-level tokenizer whose tokens are the ids themselves.
+    target = tiny_target("llama", seed=3)
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token="3")
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    prompts = [" ".join(str(4 + (i * 5 + j * 7) % 90) for j in range(6)) for i in range(10)]
+    distill(target, tokenizer, prompts, tmp_path / "data", DistillConfig(max_new_tokens=16, batch_size=5))
+    records = len(load_records(tmp_path / "data"))
+
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(CONFIG.format(port=29500 + os.getpid() % 1000))
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "hf_d3d.cli"]
+    command += ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data")]
+    command += ["--out", str(tmp_path / "run"), "--layers", "1", "--block-size", "4", "--num-blocks", "2"]
+    command += ["--batch-size", "2", "--epochs", "1", "--num-eval-prompts", "0", "--save-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    log = json.loads((tmp_path / "run" / "final" / "training_log.json").read_text())
+    # One epoch with two processes taking 2 records each per step: the launch config reached the trainer.
+    assert log["config"]["max_steps"] == math.ceil(records / 4)
+    assert len(log["log"]) == log["config"]["max_steps"]
+    assert all(math.isfinite(entry["loss"]) for entry in log["log"])
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
