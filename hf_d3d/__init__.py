@@ -1,6 +1,7 @@
 """hf-d3d: lossless speculative decoding with a decoupled block-diffusion drafter (D3D)."""
 
 from hf_d3d.checks import check_pair, tokenizer_fingerprint
+from hf_d3d.exact import exact_verification
 from hf_d3d.modeling.configuration_d3d import D3DConfig
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, D3DStats
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
@@ -15,5 +16,6 @@ __all__ = [
     "tokenizer_fingerprint",
     "speculative_generate",
     "d3d_generate",
+    "exact_verification",
 ]
 __version__ = "0.1.0"

@@ -18,8 +18,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hf_d3d.evaluate import count_forwards
+from hf_d3d.exact import exact_verification
 from hf_d3d.speculative import speculative_generate
 
+Runner = Callable[[torch.Tensor], torch.Tensor]
 ALL_METHODS = ("plain", "assisted_ar", "prompt_lookup", "d3d_sync", "d3d_async", "d3d_fast")
 
 
@@ -50,6 +52,14 @@ def _runner(method: str, target, drafter, ar_drafter, max_new: int) -> Callable[
     raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
 
 
+def _exact(run: Runner, target: PreTrainedModel) -> Runner:
+    def run_exact(x):
+        with exact_verification(target):
+            return run(x)
+
+    return run_exact
+
+
 @torch.no_grad()
 def run_bench(
     target: PreTrainedModel,
@@ -59,22 +69,23 @@ def run_bench(
     max_new_tokens: int = 128,
     ar_drafter: PreTrainedModel | None = None,
     warmup: int = 1,
+    exact: bool = False,
 ) -> dict:
-    """Run ``methods`` on every prompt; returns the result dict (per-method metrics and per-prompt records)."""
+    """Run ``methods`` on every prompt; returns the result dict (per-method metrics and per-prompt records).
+
+    With ``exact``, every method but ``plain`` runs under :func:`hf_d3d.exact_verification`.
+    """
     if "plain" not in methods:
         methods = ["plain", *methods]
     if "assisted_ar" in methods and ar_drafter is None:
         raise ValueError("method assisted_ar needs an autoregressive drafter (--ar-drafter)")
     if any(m.startswith("d3d") for m in methods) and drafter is None:
         raise ValueError("d3d methods need a D3D drafter")
-    runners = {
-        m: (_runner(m, target, drafter, ar_drafter, max_new_tokens), drafter if m.startswith("d3d") else None)
-        for m in methods
-    }
+    runners = {}
+    for m in methods:
+        run = _runner(m, target, drafter, ar_drafter, max_new_tokens)
+        runners[m] = (_exact(run, target) if exact and m != "plain" else run, drafter if m.startswith("d3d") else None)
     return run_methods(target, runners, prompts_ids, max_new_tokens, warmup)
-
-
-Runner = Callable[[torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()

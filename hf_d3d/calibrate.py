@@ -79,12 +79,13 @@ def measure_round_cost(
     return [round((draft + statistics.median(verify[k + 1])) / step, 3) for k in range(1, block + 1)]
 
 
-def write_round_cost(drafter_dir: str | Path, device_type: str, costs: list[float]) -> Path:
-    """Record ``costs`` for ``device_type`` in the drafter folder's config.json (atomically; other devices kept)."""
+def write_round_cost(drafter_dir: str | Path, key: str, costs: list[float]) -> Path:
+    """Record ``costs`` under ``key`` (:func:`round_cost_key`: device type, plus the target's dtype unless fp32) in
+    the drafter folder's config.json (atomically; other keys kept)."""
     path = Path(drafter_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: calibrate a drafter folder saved with save_pretrained")
     config = json.loads(path.read_text())
-    config["round_cost"] = {**(config.get("round_cost") or {}), device_type: costs}
+    config["round_cost"] = {**(config.get("round_cost") or {}), key: costs}
     write_json_atomic(path, config)
     return path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -147,10 +148,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError("--write-metrics records d3d_sync's speedup: include d3d_sync in --methods")
         if args.drafter and not Path(args.drafter).is_dir():
             raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
+        if args.dtype != "float32" or args.exact:
+            raise ValueError("--write-metrics records the card's fp32 speedup; leave out --dtype and --exact")
     prompts = load_prompts(args.prompts, args.field, args.num_prompts)
-    target, tokenizer = load_target(args.target)
     import torch
 
+    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
     drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"))
     check_pair(target, drafter, tokenizer)
     ar = None
@@ -162,7 +165,12 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         # the peer gets the D3D drafter's compute type: only the drafting method differs
         ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=drafter.dtype).to(target.device).eval()
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
-    result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar)
+    if args.exact:
+        from hf_d3d.exact import rows_match_decode
+
+        if not rows_match_decode(target):  # the run still says, per method, whether outputs were identical
+            print("warning: on this machine verify rows do not get decode-step bits; exact verification cannot hold")
+    result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar, exact=args.exact)
     result["command"] = (
         "hf-d3d bench"
         + (f" --drafter {_shown(args.drafter)}" if args.drafter else "")
@@ -173,8 +181,11 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         + f" --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
         + f" --methods {','.join(methods)} --out {args.out}"
         + (f" --drafter-dtype {args.drafter_dtype}" if args.drafter_dtype != "auto" else "")
+        + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
+        + (" --exact" if args.exact else "")
     )
     result["drafter_dtype"] = str(drafter.dtype).removeprefix("torch.")
+    result["target_dtype"], result["exact"] = args.dtype, args.exact
     result["prompts"] = args.prompts
     paths = write_outputs(result, args.out)
     print(Path(paths[1]).read_text())
@@ -335,18 +346,24 @@ def _cmd_export_ar(args: argparse.Namespace) -> None:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> None:
+    import torch
+
     from hf_d3d.calibrate import measure_round_cost, write_round_cost
     from hf_d3d.checks import check_pair
+    from hf_d3d.exact import exact_verification
+    from hf_d3d.modeling.generation_d3d import round_cost_key
     from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
 
-    target, _ = load_target(args.target, device=args.device)
+    target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     drafter = load_drafter(args.drafter, device=target.device)
     check_pair(target, drafter)
-    costs = measure_round_cost(target, drafter, context_length=args.context_length, repeats=args.repeats)
-    print(f"round cost on {target.device.type}, in target decode steps, for k = 1..{len(costs)} draft tokens:")
+    with exact_verification(target) if args.exact else contextlib.nullcontext():
+        costs = measure_round_cost(target, drafter, context_length=args.context_length, repeats=args.repeats)
+    key = round_cost_key(target.device.type, target.dtype)
+    print(f"round cost for {key}, in target decode steps, for k = 1..{len(costs)} draft tokens:")
     print("  " + "  ".join(f"{k}: {c:.2f}" for k, c in enumerate(costs, 1)))
     if args.write:
-        print(f"recorded in {write_round_cost(args.drafter or DEFAULT_DRAFTER, target.device.type, costs)}")
+        print(f"recorded in {write_round_cost(args.drafter or DEFAULT_DRAFTER, key, costs)}")
 
 
 def _cmd_publish(args: argparse.Namespace) -> None:
@@ -466,6 +483,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="compute type of both drafters (auto: as stored, bf16 for ours)",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the target's compute type (plain generate runs in it too)",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="run every method but plain under hf_d3d.exact_verification (bit-exact verification in bf16/fp16)",
+    )
     p.add_argument("--prompts", default="gsm8k:test")
     p.add_argument("--field", default="question")
     p.add_argument("--num-prompts", type=int, default=20)
@@ -542,6 +570,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="drafter folder (default: the committed SmolLM2 drafter)")
     p.add_argument("--device", default=None, help="e.g. cuda (default: where the target loads)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the target's compute type; costs are recorded per device and dtype",
+    )
+    p.add_argument("--exact", action="store_true", help="time verification as hf_d3d.exact_verification runs it")
     p.add_argument("--context-length", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--write", action="store_true", help="record the costs in the drafter folder's config.json")

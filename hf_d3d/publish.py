@@ -72,8 +72,8 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         block_size=config["block_size"],
         draft_tokens=_draft_tokens(checkpoint, config),
         draft_policy=(
-            f"; on {', '.join(sorted(config['round_cost']))} fewer where the round costs measured there "
-            "(`hf-d3d calibrate`) say the rest do not pay"
+            f"; fewer where the round costs measured by `hf-d3d calibrate` "
+            f"({'; '.join(_cost_where(k) for k in sorted(config['round_cost']))}) say the rest do not pay"
             if config.get("round_cost")
             else ""
         ),
@@ -96,6 +96,12 @@ def _draft_tokens(checkpoint: Path, config: dict) -> int:
     gen = checkpoint / "generation_config.json"
     asked = json.loads(gen.read_text()).get("num_assistant_tokens") if gen.is_file() else None
     return min(int(asked or config["block_size"]), config["block_size"])
+
+
+def _cost_where(key: str) -> str:
+    """``cpu`` -> ``cpu, fp32 target``; ``cpu:bfloat16`` -> ``cpu, bfloat16 target`` (keys of ``round_cost_key``)."""
+    device, _, dtype = key.partition(":")
+    return f"{device}, {dtype or 'fp32'} target"
 
 
 def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:

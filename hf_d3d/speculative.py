@@ -24,6 +24,7 @@ from transformers.generation import (
 )
 
 from hf_d3d.checks import check_pair
+from hf_d3d.exact import is_exact
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 from hf_d3d.verify import verify_greedy, verify_sampling
 
@@ -126,16 +127,23 @@ def speculative_generate(
     limit = seq.shape[1] + max_new_tokens
     # The first verify pass also prefills the prompt, so each round is one target forward. ``cached`` counts the
     # positions the cache holds for us: every committed token but the last, which the next verify pass re-reads.
+    exact = is_exact(target)
+    if exact and cache_implementation != "dynamic":
+        raise ValueError("exact verification computes rows as plain generate does, over a dynamic cache")
     cache = _target_cache(target, cache_implementation, limit)
     cached = 0
-    gen = D3DCandidateGenerator(drafter, procs, do_sample=do_sample, async_drafting=async_drafting)
+    gen = D3DCandidateGenerator(
+        drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype
+    )
     drafter.last_stats = gen.stats
     # The same knob as in generate(assistant_model=...): draft (and verify) at most this many tokens per round.
     per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
     # Only the k + 1 verified positions need the LM head; at prefill that skips the whole prompt's rows.
     trims_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
     while seq.shape[1] < limit:
-        cand, q_scores = gen.get_candidates(seq, max_new_tokens=min(per_round, limit - seq.shape[1] - 1))
+        # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
+        budget = 0 if exact and cached == 0 else min(per_round, limit - seq.shape[1] - 1)
+        cand, q_scores = gen.get_candidates(seq, max_new_tokens=budget)
         k = cand.shape[1] - seq.shape[1]
         keep = {"logits_to_keep": k + 1} if trims_logits else {}
         logits = target(cand[:, cached:], past_key_values=cache, use_cache=True, **keep).logits

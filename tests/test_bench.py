@@ -33,6 +33,27 @@ def test_bench_schema_and_outputs(tmp_path):
     assert paths[2].stat().st_size > 1000  # a real PNG
 
 
+def test_bench_exact_runs_every_method_but_plain_under_exact_verification(monkeypatch):
+    from hf_d3d.exact import is_exact
+
+    target = tiny_target("llama").to(torch.bfloat16)
+    drafter = make_drafter(target, block_size=4)
+    seen = {}
+    real = bench.speculative_generate
+
+    def spy(target, drafter, x, **kw):
+        seen["fast"] = is_exact(target)
+        return real(target, drafter, x, **kw)
+
+    monkeypatch.setattr(bench, "speculative_generate", spy)
+    methods = ["d3d_sync", "d3d_fast"]
+    result = bench.run_bench(target, drafter, [[5, 6, 7], [8, 9]], methods, max_new_tokens=10, exact=True)
+    assert seen["fast"] and not is_exact(target)
+    assert result["all_identical"]
+    # the first round prefills the prompt alone and so accepts nothing
+    assert all(r["acceptance_lengths"][0] == 0 for r in result["records"]["d3d_sync"])
+
+
 def test_bench_flags_a_non_identical_method(monkeypatch):
     target = tiny_target("qwen3")
     drafter = make_drafter(target, block_size=4)

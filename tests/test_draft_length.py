@@ -130,6 +130,11 @@ def test_round_cost_is_validated_and_chosen_by_device():
         assert D3DCandidateGenerator(drafter).round_cost is None  # costs measured elsewhere do not apply here
         drafter.config.round_cost["cpu"] = [1.2, 1.3, 1.9, 2.0]
         assert D3DCandidateGenerator(drafter).round_cost == [1.2, 1.3, 1.9, 2.0]
+        # a bf16 target has its own costs ("cpu" means fp32), and none recorded means the whole block
+        assert D3DCandidateGenerator(drafter, target_dtype=torch.bfloat16).round_cost is None
+        drafter.config.round_cost["cpu:bfloat16"] = [1.2, 1.2, 1.3, 1.3]
+        assert D3DCandidateGenerator(drafter, target_dtype=torch.bfloat16).round_cost == [1.2, 1.2, 1.3, 1.3]
+        assert D3DCandidateGenerator(drafter, target_dtype="float32").round_cost == [1.2, 1.3, 1.9, 2.0]
     finally:
         drafter.config.round_cost = None
 

@@ -54,13 +54,16 @@ def test_card_states_the_draft_vocabulary(tmp_path):
     drafter = make_drafter(tiny_target("qwen3"), block_size=4)
     drafter.set_draft_vocab(list(range(24)))
     drafter.generation_config.num_assistant_tokens = 2
-    drafter.config.round_cost = {"cpu": [1.1, 1.2, 1.6, 1.7]}
+    drafter.config.round_cost = {"cpu": [1.1, 1.2, 1.6, 1.7], "cpu:bfloat16": [1.1, 1.1, 1.2, 1.2]}
     drafter.save_pretrained(tmp_path / "ckpt")
     rows = [{"dataset": "gsm8k:test", "tau": 1.5, "hit_rate": 0.42, "command": "c"}]
     (tmp_path / "ckpt" / METRICS).write_text(json.dumps({"rows": rows}))
     card = ModelCard.load(assemble(tmp_path / "ckpt", tmp_path / "hub", "someone/x") / "README.md")
     assert "only its 24 most frequent tokens" in card.text and "25% of a full one" in card.text
-    assert "blocks of 4 tokens (up to 2 proposed per round as shipped; on cpu fewer where the round costs" in card.text
+    assert (
+        "blocks of 4 tokens (up to 2 proposed per round as shipped; fewer where the round costs measured by "
+        "`hf-d3d calibrate` (cpu, fp32 target; cpu, bfloat16 target) say the rest do not pay)"
+    ) in card.text
     assert "| gsm8k:test | 1.50, hit rate 42% |" in card.text
 
 

@@ -111,12 +111,19 @@ def draft_length(confidence: list[float], round_cost: list[float]) -> int:
     return best_k
 
 
+def round_cost_key(device_type: str, target_dtype: torch.dtype | str | None = None) -> str:
+    """Where calibrated round costs are kept: the device type ("cpu" means an fp32 target), plus any other dtype."""
+    name = str(target_dtype or "float32").removeprefix("torch.")
+    return device_type if name == "float32" else f"{device_type}:{name}"
+
+
 class D3DCandidateGenerator(CandidateGenerator):
     """Proposes one block of ``block_size`` tokens per round from the drafter's own cache of committed tokens.
 
-    Where the drafter's config holds a measured ``round_cost`` for this device, a round proposes only the leading
-    tokens of the block that pay for themselves (:func:`draft_length`); that costs one host read of the draft's
-    confidences per round.
+    Where the drafter's config holds a measured ``round_cost`` for this device and ``target_dtype`` (in the assisted
+    loop, which never shows the drafter its target: the drafter's ``target_dtype`` attribute; fp32 if unset), a
+    round proposes only the leading tokens of the block that pay for themselves (:func:`draft_length`); that costs
+    one host read of the draft's confidences per round.
 
     With ``async_drafting`` it also launches, right after proposing a draft, one packed pass that drafts the next
     block for the likeliest verification outcomes; on CUDA it runs on a side stream while the target verifies.
@@ -135,6 +142,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         block_size: int | None = None,
         async_drafting: bool | None = None,
         num_hypotheses: int | None = None,
+        target_dtype: torch.dtype | str | None = None,
     ):
         self.drafter = drafter
         config = drafter.config
@@ -154,8 +162,10 @@ class D3DCandidateGenerator(CandidateGenerator):
         if async_drafting is None:  # on by default only where the packed pass can hide behind verification
             async_drafting = device.type == "cuda"
         self.async_drafting = bool(async_drafting)
-        # Round costs measured for this device type (hf-d3d calibrate); without them every round drafts in full.
-        self.round_cost = (getattr(config, "round_cost", None) or {}).get(device.type)
+        # Round costs measured for this device type and target dtype (hf-d3d calibrate); without them every round
+        # drafts in full. An fp32 target is assumed unless told: the assisted loop never shows us the target.
+        key = round_cost_key(device.type, target_dtype)
+        self.round_cost = (getattr(config, "round_cost", None) or {}).get(key)
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None
@@ -375,8 +385,23 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     # transformers <= 5.23 hands the assistant's state back as `past_key_values`, 5.24 renamed it `cache`
     generator = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(generator, D3DCandidateGenerator):
-        generator = D3DCandidateGenerator(drafter, kwargs.get("logits_processor"), do_sample=bool(config.do_sample))
+        generator = D3DCandidateGenerator(
+            drafter,
+            kwargs.get("logits_processor"),
+            do_sample=bool(config.do_sample),
+            target_dtype=getattr(drafter, "target_dtype", None),
+        )
         drafter.last_stats = generator.stats
+        if getattr(drafter, "prefill_alone", False) and not config.do_sample:
+            # Exact verification (hf_d3d.exact): no draft in the first round, so the target prefills the prompt
+            # alone. transformers stacks the scores, so one unused row stands in for them; greedy never reads it.
+            generator._last_draft, generator._last_len = input_ids[:, :0], input_ids.shape[1]
+            sequences, scores = input_ids, input_ids.new_zeros((1, 1, drafter.config.vocab_size), dtype=torch.float)
+            return _assistant_output(sequences, scores, generator)
     sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
+    return _assistant_output(sequences, scores, generator)
+
+
+def _assistant_output(sequences, scores, generator) -> GenerateDecoderOnlyOutput:
     state_field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores.unbind(1)), **{state_field: generator})

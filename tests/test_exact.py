@@ -1,0 +1,120 @@
+"""Exact verification: in bf16, speculative decoding must reproduce plain greedy generate bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaForCausalLM
+
+from conftest import VOCAB, make_drafter, tiny_target
+from hf_d3d import exact
+from hf_d3d.exact import EXACT_ATTENTION, exact_verification, is_exact, rows_match_decode
+from hf_d3d.speculative import speculative_generate
+
+TARGET = tiny_target("llama", layers=3).to(torch.bfloat16)
+DRAFTER = make_drafter(TARGET, block_size=8)
+
+
+def plain(x, max_new):
+    return TARGET.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new)
+
+
+def test_rows_match_decode_on_this_machine():
+    """The premise of exact verification: small-row linears and per-row attention give decode-step bits."""
+    assert rows_match_decode(TARGET, rows=9)
+
+
+def test_verify_rows_run_one_attention_call_each(monkeypatch):
+    calls = []
+    real = exact.sdpa_attention_forward
+    monkeypatch.setattr(
+        exact, "sdpa_attention_forward", lambda m, q, *a, **k: calls.append(q.shape[2]) or real(m, q, *a, **k)
+    )
+    ids = torch.randint(4, VOCAB, (1, 20))
+    with exact_verification(TARGET), torch.no_grad():
+        out = TARGET(ids[:, :12], use_cache=True)
+        assert calls == [12] * 3  # a prefill stays whole
+        calls.clear()
+        cache = out.past_key_values
+        TARGET(ids[:, 12:], past_key_values=cache)
+    assert calls == [1] * (8 * 3)  # 8 rows, 3 layers
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24),
+    max_new=st.integers(1, 40),
+    fast=st.booleans(),
+)
+def test_exact_greedy_equals_plain_bf16(prompt, max_new, fast):
+    x = torch.tensor([prompt])
+    ref = plain(x, max_new)
+    with exact_verification(TARGET):
+        if fast:
+            out = speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new)
+        else:
+            out = TARGET.generate(
+                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new, assistant_model=DRAFTER
+            )
+    assert torch.equal(ref, out)
+
+
+def test_first_round_prefills_the_prompt_alone(oracle):
+    """The first round proposes nothing (plain generate prefills the prompt alone); it still counts in tau."""
+    oracle.target = TARGET
+    x = torch.tensor([[5, 9, 17, 33]])
+    with exact_verification(TARGET):
+        out = TARGET.generate(x, do_sample=False, max_new_tokens=19, assistant_model=DRAFTER, eos_token_id=None)
+    assert torch.equal(out, TARGET.generate(x, do_sample=False, max_new_tokens=19, eos_token_id=None))
+    lengths = DRAFTER.last_stats.acceptance_lengths
+    assert lengths[0] == 0 and all(a == 8 for a in lengths[1:])  # the oracle is always right after that
+    with exact_verification(TARGET):
+        speculative_generate(TARGET, DRAFTER, x, max_new_tokens=19, eos_token_id=None)
+    assert DRAFTER.last_stats.acceptance_lengths == [0, 8, 8]  # 1 + 9 + 9 tokens
+
+
+def test_other_assistants_are_covered_too():
+    assistant = LlamaForCausalLM(tiny_target("llama", layers=1, seed=3).config).to(torch.bfloat16).eval()
+    x = torch.tensor([[5, 9, 17, 33, 8]])
+    asked = []
+    real = assistant.generate
+    assistant.generate = lambda *a, **k: asked.append(k["input_ids"].shape[1]) or real(*a, **k)
+    with exact_verification(TARGET):
+        out = TARGET.generate(x, do_sample=False, max_new_tokens=20, assistant_model=assistant)
+    assert torch.equal(out, plain(x, 20))
+    assert asked and asked[0] > x.shape[1]  # the assistant was first asked after the prompt's own round
+    assert "generate" in assistant.__dict__  # our wrapper is gone, the caller's own attribute is back
+    del assistant.generate
+
+
+def test_prompt_lookup_is_covered_too():
+    x = torch.tensor([[5, 9, 17, 33, 5, 9, 17, 33, 5, 9]])  # repeats, so that lookup proposes from the first round
+    widths = []
+    hook = TARGET.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        with exact_verification(TARGET):
+            out = TARGET.generate(x, do_sample=False, max_new_tokens=20, prompt_lookup_num_tokens=4)
+    finally:
+        hook.remove()
+    assert torch.equal(out, plain(x, 20))
+    assert widths[0] == x.shape[1] and max(widths[1:]) > 1  # the prompt alone, then verified drafts
+    assert "_get_candidate_generator" not in TARGET.__dict__
+
+
+def test_context_restores_the_target_and_refuses_what_it_cannot_make_exact():
+    assert not is_exact(TARGET)
+    with exact_verification(TARGET) as t:
+        assert is_exact(t) and "generate" in TARGET.__dict__
+        with pytest.raises(ValueError, match="dynamic cache"):
+            speculative_generate(
+                TARGET, DRAFTER, torch.tensor([[5, 6]]), max_new_tokens=4, cache_implementation="static"
+            )
+    assert TARGET.config._attn_implementation == "sdpa" and "generate" not in TARGET.__dict__
+    eager = tiny_target("llama", layers=1)
+    eager.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="sdpa"):
+        with exact_verification(eager):
+            pass
+    assert EXACT_ATTENTION not in ("sdpa", "eager")
