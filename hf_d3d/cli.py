@@ -168,8 +168,11 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     if args.exact:
         from hf_d3d.exact import rows_match_decode
 
-        if not rows_match_decode(target):  # the run still says, per method, whether outputs were identical
-            print("warning: on this machine verify rows do not get decode-step bits; exact verification cannot hold")
+        if not rows_match_decode(target):
+            raise ValueError(
+                "--exact: on this machine and dtype a verify forward does not give each row a decode step's bits "
+                "(hf_d3d.exact.rows_match_decode), so exact verification cannot hold here"
+            )
     result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar, exact=args.exact)
     result["command"] = (
         "hf-d3d bench"

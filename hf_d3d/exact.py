@@ -15,12 +15,12 @@ Whether the small-row kernels are row-invariant is a property of the machine: :f
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, PreTrainedModel
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
@@ -37,20 +37,38 @@ def exact_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, except that rows after a cached prefix are computed one at a time.
 
-    Each row goes to ``sdpa_attention_forward`` itself with the mask a decode step gets (none: batch 1 without
-    padding, which every D3D path checks), so its bits follow whatever transformers does for one row. A forward
-    without cache (a prefill) is left whole.
+    A row that attends to a plain prefix of the keys (the decode step's pattern: batch 1, no padding, no sliding
+    window) goes to ``sdpa_attention_forward`` itself over exactly those keys and no mask, as a decode step does,
+    so its bits follow whatever transformers does for one row. Any other row keeps its mask: right, though not
+    bitwise a decode step. A forward whose first row sees only itself (a prefill) is left whole.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
-    past = kv_len - q_len
-    if q_len == 1 or past == 0:
+    # transformers drops the mask of a multi-row forward only where sdpa's own causal flag is right: a prefill
+    if q_len == 1 or attention_mask is None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"exact verification supports batch size 1, got {query.shape[0]}")
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    shared = allowed.shape[1] == 1  # one mask for every head, as transformers' sdpa masks are
+    allowed = allowed[0, 0]  # [q, kv]
+    ends = allowed.sum(-1).tolist()
+    prefixes = torch.arange(kv_len, device=allowed.device) < torch.tensor(ends, device=allowed.device)[:, None]
+    plain = shared and bool((allowed == prefixes).all())
+    if ends[0] == 1:  # the first row sees only itself: a prefill (into a static cache, say)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if not plain:
+        warnings.warn(
+            "exact verification: rows with padding or a sliding window keep their mask; their bits may differ "
+            "from a decode step's",
+            stacklevel=2,
+        )
     rows = []
     for i in range(q_len):
-        end = past + i + 1
-        row = sdpa_attention_forward(module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], None, **kwargs)
+        q = query[:, :, i : i + 1]
+        if plain:
+            row = sdpa_attention_forward(module, q, key[:, :, : ends[i]], value[:, :, : ends[i]], None, **kwargs)
+        else:
+            row = sdpa_attention_forward(module, q, key, value, attention_mask[:, :, i : i + 1], **kwargs)
         rows.append(row[0])
     return torch.cat(rows, dim=1), None
 
@@ -68,9 +86,11 @@ def is_exact(model: PreTrainedModel) -> bool:
 def exact_verification(target: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """Within the block, greedy D3D decoding with ``target`` reproduces plain greedy ``generate`` bit for bit.
 
-    Covers ``target.generate`` with ``assistant_model=`` (a D3D drafter or any other assistant model) or
-    ``prompt_lookup_num_tokens=``, and :func:`hf_d3d.speculative_generate`, with a dynamic cache. Plain decoding is
-    unchanged (single rows and prefills are computed exactly as before).
+    Covers ``target.generate`` with ``assistant_model=`` (a D3D drafter, or any assistant transformers drafts with
+    through a candidate generator) or ``prompt_lookup_num_tokens=``, and :func:`hf_d3d.speculative_generate`, for
+    batch size 1 without padding and a dynamic cache. Single rows and prefills are computed exactly as before, so
+    plain decoding is unchanged; but any other multi-row forward after a cache (a chunked prefill, a reused chat
+    cache) is computed row by row too, which is slower and, in bf16, not bitwise what it was.
     """
     impl = getattr(target.config, "_attn_implementation", None)
     if impl == EXACT_ATTENTION:
@@ -83,21 +103,21 @@ def exact_verification(target: PreTrainedModel) -> Iterator[PreTrainedModel]:
     def generate_exact(*args, **kwargs):
         assistant = kwargs.get("assistant_model")
         with contextlib.ExitStack() as stack:
-            if assistant is None:  # plain decoding is unchanged; prompt lookup gets an empty first round
-                factory = _first_round_empty_factory(target._get_candidate_generator)
-                stack.enter_context(_attribute(target, "_get_candidate_generator", factory))
-            elif getattr(assistant.config, "model_type", None) == "d3d_drafter":
+            if getattr(getattr(assistant, "config", None), "model_type", None) == "d3d_drafter":
                 # read by the D3D drafter (modeling/generation_d3d.py), which never sees the target in the assisted
                 # loop: propose nothing in the first round, and use the round costs calibrated for this dtype
                 stack.enter_context(_attribute(assistant, "prefill_alone", True))
                 stack.enter_context(_attribute(assistant, "target_dtype", target.dtype))
-            else:
-                stack.enter_context(_attribute(assistant, "generate", _first_round_empty(assistant)))
+            else:  # other assistants, prompt lookup; plain decoding builds no candidate generator at all
+                factory = _first_round_empty_factory(target._get_candidate_generator)
+                stack.enter_context(_attribute(target, "_get_candidate_generator", factory))
             return generate(*args, **kwargs)
 
     with _attribute(target, "generate", generate_exact):
         target.set_attn_implementation(EXACT_ATTENTION)
         try:
+            if not is_exact(target):  # transformers only warns when a model refuses the switch
+                raise ValueError(f"{type(target).__name__} did not accept the attention {EXACT_ATTENTION!r}")
             yield target
         finally:
             target.set_attn_implementation(impl)
@@ -119,53 +139,49 @@ def _attribute(obj: object, name: str, value) -> Iterator[None]:
 
 
 def _first_round_empty_factory(factory):
-    """transformers' candidate-generator factory, whose generators propose nothing in their first round (as prompt
-    lookup does when it finds no match), so that the target prefills the prompt alone."""
+    """transformers' candidate-generator factory, whose generators propose nothing in their first round, so that
+    the target prefills the prompt alone (any generator may return no candidates, as prompt lookup does when it
+    finds no match)."""
 
     def make(*args, **kwargs):
         candidates = factory(*args, **kwargs)
-        later = candidates.get_candidates
+        get, update = candidates.get_candidates, candidates.update_candidate_strategy
+        probs = getattr(candidates, "probs", None)
 
-        def first_round(input_ids, *a, **kw):
-            candidates.get_candidates = later
+        def first_get(input_ids, *a, **kw):
+            candidates.get_candidates = get
+            kept = len(probs) if isinstance(probs, list) else None
+            get(input_ids, *a, **kw)  # drafted and dropped: an assistant's cache and masks stay in step
+            if kept is not None:  # nor does the dropped draft feed the confidence-threshold statistics
+                del probs[kept:]
             return input_ids, None
 
-        candidates.get_candidates = first_round
+        def first_update(*a, **kw):  # the empty round says nothing about how good the drafts are
+            candidates.update_candidate_strategy = update
+
+        candidates.get_candidates, candidates.update_candidate_strategy = first_get, first_update
         return candidates
 
     return make
 
 
-def _first_round_empty(assistant: PreTrainedModel):
-    """``assistant.generate`` that proposes nothing the first time it is asked in a greedy decode (one call of
-    ``target.generate``), so that the target prefills the prompt alone."""
-    generate, asked = assistant.generate, []
-
-    def first_round_empty(*args, **kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        config = kwargs.get("generation_config")
-        if asked or ids is None or getattr(config, "do_sample", False):
-            return generate(*args, **kwargs)
-        asked.append(True)
-        # transformers stacks the scores, so one unused row stands in for them; greedy verification never reads it
-        scores = (ids.new_zeros((ids.shape[0], assistant.config.vocab_size), dtype=torch.float),)
-        state = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-        # an empty cache, not None: transformers only grows the assistant's attention mask when it has a cache
-        return GenerateDecoderOnlyOutput(sequences=ids, scores=scores, **{state: DynamicCache()})
-
-    return first_round_empty
-
-
 @torch.no_grad()
-def rows_match_decode(target: PreTrainedModel, rows: int = 9, context_length: int = 64, seed: int = 0) -> bool:
-    """Whether, on this machine and dtype, a verify forward over ``rows`` tokens gives each row's logits exactly the
-    bits of ``rows`` single decode steps under :func:`exact_verification`."""
+def rows_match_decode(
+    target: PreTrainedModel, rows: tuple[int, ...] = (2, 5, 9, 11), context_length: int = 64, seed: int = 0
+) -> bool:
+    """Whether, on this machine and dtype, a verify forward over each of ``rows`` tokens gives every row's logits
+    exactly the bits of single decode steps under :func:`exact_verification` (random tokens after a random context;
+    9 rows is a block of 8 plus the bonus, 11 prompt lookup's 10 plus one)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, target.config.vocab_size, (1, context_length + rows), generator=g).to(target.device)
+    most = max(rows)
+    ids = torch.randint(0, target.config.vocab_size, (1, context_length + most), generator=g).to(target.device)
     with exact_verification(target):
-        cache = DynamicCache()
+        cache = DynamicCache(config=target.config)
         target(ids[:, :context_length], past_key_values=cache)
         steps = [target(ids[:, [i]], past_key_values=cache).logits[0, -1] for i in range(context_length, len(ids[0]))]
-        cache.crop(-rows)
-        verify = target(ids[:, context_length:], past_key_values=cache).logits[0]
-    return all(torch.equal(verify[i], step) for i, step in enumerate(steps))
+        for n in rows:
+            cache.crop(context_length - cache.get_seq_length())
+            verify = target(ids[:, context_length : context_length + n], past_key_values=cache).logits[0]
+            if not all(torch.equal(verify[i], steps[i]) for i in range(n)):
+                return False
+    return True
