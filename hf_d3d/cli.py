@@ -579,7 +579,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16", "float16"],
         help="the target's compute type; costs are recorded per device and dtype",
     )
-    p.add_argument("--exact", action="store_true", help="time verification as hf_d3d.exact_verification runs it")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="time verification as hf_d3d.exact_verification runs it (the costs are kept under the same key, so "
+        "calibrate the way you decode)",
+    )
     p.add_argument("--context-length", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--write", action="store_true", help="record the costs in the drafter folder's config.json")
