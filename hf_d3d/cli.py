@@ -383,6 +383,10 @@ def _cmd_publish(args: argparse.Namespace) -> None:
     print(f"uploaded: {publish(folder, args.repo_id, private=args.private, force=args.force)}")
 
 
+def _add_dtype(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-d3d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -410,11 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["transformers", "vllm"],
         help="vllm: its offline engine for large targets on GPUs (when installed); use a large --batch-size",
     )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="the target's compute type (transformers backend); bfloat16 halved the time on this project's CPU, and "
+    _add_dtype(
+        p,
+        "the target's compute type (transformers backend); bfloat16 halved the time on this project's CPU, and "
         "its greedy answers are then the bf16 target's own, recorded in request.json and meta.json",
     )
     p.add_argument("--out", required=True)
@@ -486,12 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="compute type of both drafters (auto: as stored, bf16 for ours)",
     )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="the target's compute type (plain generate runs in it too)",
-    )
+    _add_dtype(p, "the target's compute type (plain generate runs in it too)")
     p.add_argument(
         "--exact",
         action="store_true",
@@ -573,12 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="drafter folder (default: the committed SmolLM2 drafter)")
     p.add_argument("--device", default=None, help="e.g. cuda (default: where the target loads)")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="the target's compute type; costs are recorded per device and dtype",
-    )
+    _add_dtype(p, "the target's compute type; costs are recorded per device and dtype")
     p.add_argument(
         "--exact",
         action="store_true",

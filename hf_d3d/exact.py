@@ -2,9 +2,10 @@
 
 A verify forward over k + 1 new tokens is mathematically k + 1 decode steps, but not bitwise. In bf16 on CPU,
 attention over several query rows runs other kernels than attention for one and differs by an ulp; at a near-tie
-the target's argmax then flips and the output drifts from plain ``generate`` (4 of 8 GSM8K answers of
-SmolLM2-135M-Instruct). The linears, norms, rotary and LM head give a row the same bits for any row count up to 32
-on this project's CPU (oneDNN), but not at prefill sizes. Two things therefore make verification exact there:
+the target's argmax then flips and the output drifts from plain ``generate`` (7 of 8 GSM8K answers of
+SmolLM2-135M-Instruct, ``hf-d3d bench --dtype bfloat16 --num-prompts 8 --methods d3d_fast``). The linears,
+norms, rotary and LM head give a row the same bits for any row count up to 32 on this project's CPU (oneDNN), but
+not at prefill sizes. Two things therefore make verification exact there:
 
 - attention computed one query row at a time, as a decode step computes it (one sdpa call per row and layer);
 - the prompt prefilled alone, as plain ``generate`` prefills it, so the first round drafts nothing.

@@ -75,16 +75,22 @@ def test_first_round_prefills_the_prompt_alone(oracle):
     assert DRAFTER.last_stats.acceptance_lengths == [0, 8, 8]  # 1 + 9 + 9 tokens
 
 
+def generate_exact_widths(x, **kw):
+    """Greedy ``generate`` under exact verification, and how many tokens each target forward read."""
+    widths = []
+    hook = TARGET.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        with exact_verification(TARGET):
+            out = TARGET.generate(x, do_sample=False, max_new_tokens=20, **kw)
+    finally:
+        hook.remove()
+    return out, widths
+
+
 def test_other_assistants_are_covered_too():
     assistant = LlamaForCausalLM(tiny_target("llama", layers=1, seed=3).config).to(torch.bfloat16).eval()
     x = torch.tensor([[5, 9, 17, 33, 8]])
-    widths = []
-    hook = TARGET.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    try:
-        with exact_verification(TARGET):
-            out = TARGET.generate(x, do_sample=False, max_new_tokens=20, assistant_model=assistant)
-    finally:
-        hook.remove()
+    out, widths = generate_exact_widths(x, assistant_model=assistant)
     assert torch.equal(out, plain(x, 20))
     assert widths[0] == x.shape[1] and max(widths[1:]) > 1  # the prompt alone, then verified drafts
     assert "_get_candidate_generator" not in TARGET.__dict__
@@ -92,13 +98,7 @@ def test_other_assistants_are_covered_too():
 
 def test_prompt_lookup_is_covered_too():
     x = torch.tensor([[5, 9, 17, 33, 5, 9, 17, 33, 5, 9]])  # repeats, so that lookup proposes from the first round
-    widths = []
-    hook = TARGET.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    try:
-        with exact_verification(TARGET):
-            out = TARGET.generate(x, do_sample=False, max_new_tokens=20, prompt_lookup_num_tokens=4)
-    finally:
-        hook.remove()
+    out, widths = generate_exact_widths(x, prompt_lookup_num_tokens=4)
     assert torch.equal(out, plain(x, 20))
     assert widths[0] == x.shape[1] and max(widths[1:]) > 1  # the prompt alone, then verified drafts
     assert "_get_candidate_generator" not in TARGET.__dict__
