@@ -26,6 +26,7 @@ from transformers.generation import (
 from hf_d3d.checks import check_pair
 from hf_d3d.exact import is_exact
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
+from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 
 
@@ -98,6 +99,7 @@ def speculative_generate(
     on_round: Callable[[list[int], int, list[int]], None] | None = None,
     stopping_criteria=None,
     cache_implementation: str = "dynamic",
+    tree: bool | None = None,
 ) -> torch.LongTensor:
     """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
 
@@ -135,6 +137,12 @@ def speculative_generate(
     gen = D3DCandidateGenerator(
         drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype
     )
+    why_not = tree_unsupported(target, cache, do_sample, exact)
+    if why_not is None and gen.async_drafting:
+        why_not = "async drafting prepares the next chain's outcomes; draft trees draft in sync"
+    if tree and why_not:
+        raise ValueError(f"tree=True: {why_not}")
+    use_tree = why_not is None and tree is not False
     drafter.last_stats = gen.stats
     # The same knob as in generate(assistant_model=...): draft (and verify) at most this many tokens per round.
     per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
@@ -143,20 +151,13 @@ def speculative_generate(
     while seq.shape[1] < limit:
         # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
         budget = 0 if exact and cached == 0 else min(per_round, limit - seq.shape[1] - 1)
-        cand, q_scores = gen.get_candidates(seq, max_new_tokens=budget)
-        k = cand.shape[1] - seq.shape[1]
-        keep = {"logits_to_keep": k + 1} if trims_logits else {}
-        logits = target(cand[:, cached:], past_key_values=cache, use_cache=True, **keep).logits
-        logits = logits[0, -(k + 1) :].float()
-        if len(procs):
-            for i in range(k + 1):  # processors see exactly the prefix each position was predicted from
-                logits[i] = procs(cand[:, : seq.shape[1] + i], logits[i : i + 1])[0]
-        draft = cand[0, seq.shape[1] :]
-        if do_sample:
-            n, nxt = verify_sampling(draft, q_scores[0].softmax(-1), logits.softmax(-1), generator)
+        if use_tree:
+            draft, n, nxt, path = _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits)
         else:
-            n, nxt = verify_greedy(draft, logits)
-        new = draft[:n].tolist() + [nxt]
+            draft, n, nxt = _chain_round(
+                target, gen, seq, cache, cached, budget, procs, trims_logits, do_sample, generator
+            )
+        new = draft[:n] + [nxt]
         new = new[: limit - seq.shape[1]]
         stop = False
         for i, tok in enumerate(new):
@@ -171,10 +172,14 @@ def speculative_generate(
                     break
         gen.record_outcome(min(n, len(new)), len(new))
         if on_round is not None:
-            on_round(draft.tolist(), min(n, len(new)), new)
+            on_round(draft, min(n, len(new)), new)
+        held = seq.shape[1] + len(draft)  # what a chain's verify pass left in the cache
         seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
+        if use_tree:  # the cache holds every node: keep the committed ones, moved into place
+            keep_path(cache, seq.shape[1] - len(new) - 1, path[: len(new) - 1])
+        else:
+            _truncate(cache, seq.shape[1] - 1, held)
         cached = seq.shape[1] - 1
-        _truncate(cache, cached, cand.shape[1])
         if streamer is not None:
             streamer.put(torch.tensor(new))
         if stop:
@@ -182,6 +187,62 @@ def speculative_generate(
     if streamer is not None:
         streamer.end()
     return seq
+
+
+def _verified_logits(target, ids, cache, rows, procs, prefixes, trims_logits, **extra) -> torch.Tensor:
+    """The target's processed logits ``[rows, vocab]`` for the last ``rows`` positions of ``ids``; ``prefixes[i]`` is
+    the sequence that position i was predicted from, as processors must see it."""
+    keep = {"logits_to_keep": rows} if trims_logits else {}
+    logits = target(ids, past_key_values=cache, use_cache=True, **keep, **extra).logits[0, -rows:].float()
+    for i in range(rows) if len(procs) else ():
+        logits[i] = procs(prefixes(i), logits[i : i + 1])[0]
+    return logits
+
+
+def _chain_round(target, gen, seq, cache, cached, budget, procs, trims_logits, do_sample, generator):
+    """Draft one chain and verify it: (draft tokens, accepted count, the target's next token)."""
+    cand, q_scores = gen.get_candidates(seq, max_new_tokens=budget)
+    k = cand.shape[1] - seq.shape[1]
+    logits = _verified_logits(
+        target, cand[:, cached:], cache, k + 1, procs, lambda i: cand[:, : seq.shape[1] + i], trims_logits
+    )
+    draft = cand[0, seq.shape[1] :]
+    if do_sample:
+        n, nxt = verify_sampling(draft, q_scores[0].softmax(-1), logits.softmax(-1), generator)
+    else:
+        n, nxt = verify_greedy(draft, logits)
+    return draft.tolist(), n, nxt
+
+
+def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
+    """Draft a tree of up to ``budget`` nodes and verify it in one forward (greedy; also prefills what is uncached).
+
+    Returns the round's draft as a chain (the accepted path, then the tree's best guesses below it, which the target
+    rejected), the accepted count, the target's next token and the accepted node indices. The cache then holds the
+    root and every node; :func:`keep_path` compacts it.
+    """
+    tree = build_tree([], [], 0)
+    if budget:
+        logprobs, tokens = gen.get_slot_candidates(seq, depth=budget, width=budget)
+        tree = build_tree(logprobs, tokens, budget)
+        tree = tree.prefix(tree_size(tree, gen.round_cost))
+    gen.stats.drafted_tokens += len(tree.tokens)
+    eager = str(target.config._attn_implementation) == "eager"
+    ids, positions, mask = tree_inputs(tree, seq[0, cached:].tolist(), cached, seq.device, target.dtype, eager)
+    committed = seq[0].tolist()
+    logits = _verified_logits(
+        target,
+        ids,
+        cache,
+        len(tree.tokens) + 1,
+        procs,
+        lambda i: torch.tensor([committed + tree.path_to(i - 1)], device=seq.device),
+        trims_logits,
+        position_ids=positions,
+        attention_mask=mask,
+    )
+    path, nxt = verify_tree_greedy(tree, logits.argmax(-1).tolist())
+    return [tree.tokens[i] for i in path + tree.best_chain(path[-1] if path else -1)], len(path), nxt, path
 
 
 def d3d_generate(

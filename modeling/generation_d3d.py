@@ -231,6 +231,21 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.stats.critical_draft_seconds += time.perf_counter() - start
         return torch.cat([input_ids, draft], dim=1), scores
 
+    @torch.no_grad()
+    def get_slot_candidates(
+        self, input_ids: torch.LongTensor, depth: int, width: int
+    ) -> tuple[list[list[float]], list[list[int]]]:
+        """The ``width`` best candidates (log-probabilities, token ids) of each of the first ``depth`` slots of a
+        block anchored at the last committed token, best first: what a draft tree is built from (one host read)."""
+        start = time.perf_counter()
+        self._observe(input_ids)
+        logits = self._draft_logits(input_ids)[0, :depth]
+        top = logits.log_softmax(-1).topk(min(width, logits.shape[-1]), -1)
+        values, tokens = top.values.tolist(), self._tokens(top.indices).tolist()
+        self.stats.rounds += 1
+        self.stats.critical_draft_seconds += time.perf_counter() - start
+        return values, tokens
+
     def record_outcome(self, accepted: int, committed: int) -> None:
         """Record a round's outcome when the caller knows it (the fast loop) instead of inferring it next round."""
         self.stats.record(accepted, committed)

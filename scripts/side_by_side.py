@@ -3,7 +3,8 @@
 Usage: python scripts/side_by_side.py SPEC [SPEC ...] [--num-prompts N] [--out RESULT.json]. SPEC is a drafter
 folder, then optionally ``@K`` to draft up to K tokens per round (default: its shipped ``num_assistant_tokens``),
 then any of ``+static`` (a preallocated target cache), ``+fixed`` (K tokens every round, ignoring the measured
-round cost) and ``+fp32`` (the drafter in fp32 instead of its stored dtype): ``PATH@4+fixed+fp32``. GSM8K test
+round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype) and ``+chain`` (one chain per round instead
+of a draft tree): ``PATH@4+fixed+fp32``. GSM8K test
 prompts, timed by
 ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
 greedy.
@@ -30,11 +31,13 @@ target, tok = load_target()
 loaded = {}
 
 
-def fast(drafter, k, cache, round_cost):
+def fast(drafter, k, cache, round_cost, tree):
     def run(x):
         drafter.generation_config.num_assistant_tokens = k
         drafter.config.round_cost = round_cost
-        return speculative_generate(target, drafter, x, max_new_tokens=args.max_new_tokens, cache_implementation=cache)
+        return speculative_generate(
+            target, drafter, x, max_new_tokens=args.max_new_tokens, cache_implementation=cache, tree=tree
+        )
 
     return run
 
@@ -49,8 +52,8 @@ runners = {
 }
 for spec in args.specs:
     spec_path, *flags = spec.split("+")
-    if set(flags) - {"static", "fixed", "fp32"}:
-        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32")
+    if set(flags) - {"static", "fixed", "fp32", "chain"}:
+        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain")
     path, _, k = spec_path.partition("@")
     dtype = torch.float32 if "fp32" in flags else "auto"
     if (path, dtype) not in loaded:
@@ -59,7 +62,11 @@ for spec in args.specs:
         loaded[path, dtype] = (drafter, drafter.generation_config.num_assistant_tokens, drafter.config.round_cost)
     drafter, shipped, round_cost = loaded[path, dtype]
     cache = "static" if "static" in flags else "dynamic"
-    runners[spec] = (fast(drafter, int(k) if k else shipped, cache, None if "fixed" in flags else round_cost), drafter)
+    costs = None if "fixed" in flags else round_cost
+    runners[spec] = (
+        fast(drafter, int(k) if k else shipped, cache, costs, False if "chain" in flags else None),
+        drafter,
+    )
 questions = load_prompts("gsm8k:test", "question", args.num_prompts)
 result = run_methods(target, runners, [chat_prompt_ids(tok, q) for q in questions], args.max_new_tokens)
 print(markdown_table(result))

@@ -51,9 +51,19 @@ class OracleGenerator(generation_d3d.D3DCandidateGenerator):
 
     target = None
     noise = 0.0
+    demote = 0.0
+    reference = None  # a known greedy output [1, n]: draft from it instead of recomputing the target's choices
 
     def _draft_logits(self, input_ids):
         real = super()._draft_logits(input_ids)  # keep the drafter's cache bookkeeping exercised
+        if self.reference is not None:
+            # Bitwise-sensitive tests (bf16) need drafts that are plain generate's own tokens; a full forward over
+            # the sequence can differ from decode steps at a near-tie on some CPUs.
+            ahead = self.reference[0, input_ids.shape[1] : input_ids.shape[1] + self.block_size].tolist()
+            logits = torch.zeros(1, self.block_size, self.drafter.config.vocab_size)
+            for j, tok in enumerate(ahead):
+                logits[0, j, tok] = 50.0
+            return logits
         if self.target is None:  # no oracle set: behave as the real drafter
             return real
         seq = input_ids
@@ -66,6 +76,12 @@ class OracleGenerator(generation_d3d.D3DCandidateGenerator):
         if self.noise:
             flip = torch.rand(logits.shape[:2]) < self.noise
             logits[flip] = torch.randn_like(logits[flip]) * 50
+        if self.demote:  # the right token stays second best: a chain misses it, a draft tree can still find it
+            for b, j in (torch.rand(logits.shape[:2]) < self.demote).nonzero().tolist():
+                row, vocab = logits[b, j], logits.shape[-1]
+                right = int(row.argmax())
+                row.fill_(0.0)
+                row[right], row[(right + 1 + int(torch.randint(vocab - 1, (1,)))) % vocab] = 9.5, 10.0
         return logits
 
 
@@ -75,7 +91,8 @@ def oracle(monkeypatch):
     monkeypatch.setattr(generation_d3d, "D3DCandidateGenerator", OracleGenerator)
     monkeypatch.setattr(speculative, "D3DCandidateGenerator", OracleGenerator)
     yield OracleGenerator
-    OracleGenerator.target, OracleGenerator.noise = None, 0.0
+    OracleGenerator.target, OracleGenerator.noise, OracleGenerator.demote = None, 0.0, 0.0
+    OracleGenerator.reference = None
 
 
 def make_drafter(target, block_size: int = 4, layers: int = 2, **kw) -> D3DDrafterModel:

@@ -79,7 +79,7 @@ def test_run_methods_times_any_named_runners(oracle):
     def fast(k):
         def run(x):
             drafter.generation_config.num_assistant_tokens = k
-            return bench.speculative_generate(target, drafter, x, max_new_tokens=8)
+            return bench.speculative_generate(target, drafter, x, max_new_tokens=8, tree=False)
 
         return run, drafter
 

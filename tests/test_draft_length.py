@@ -54,12 +54,13 @@ def plain(target, x, max_new, eos, **kw):
     )
 
 
-def decode(target, drafter, x, max_new, eos, fast: bool, costs: list[float]):
-    """Decode through the fast loop or ``generate(assistant_model=...)`` with ``costs`` as the CPU round cost."""
+def decode(target, drafter, x, max_new, eos, fast: bool, costs: list[float], tree: bool = False):
+    """Decode through the fast loop (a chain, or a draft tree sized by the same costs) or
+    ``generate(assistant_model=...)`` with ``costs`` as the CPU round cost."""
     drafter.config.round_cost = {"cpu": costs}
     try:
         if fast:
-            return speculative_generate(target, drafter, x, max_new_tokens=max_new, eos_token_id=eos)
+            return speculative_generate(target, drafter, x, max_new_tokens=max_new, eos_token_id=eos, tree=tree)
         return plain(target, x, max_new, eos, assistant_model=drafter)
     finally:
         drafter.config.round_cost = None
@@ -77,14 +78,15 @@ def decode(target, drafter, x, max_new, eos, fast: bool, costs: list[float]):
     costs=st.lists(cost, min_size=1, max_size=8),
     eos_on=st.booleans(),
     fast=st.booleans(),
+    tree=st.booleans(),
 )
-def test_any_round_cost_is_lossless(oracle, family, block, prompt, max_new, noise, costs, eos_on, fast):
-    """Whatever the measured costs, both paths give plain greedy's tokens; only the draft lengths change."""
+def test_any_round_cost_is_lossless(oracle, family, block, prompt, max_new, noise, costs, eos_on, fast, tree):
+    """Whatever the measured costs, both paths (chain or tree) give plain greedy's tokens; only the drafts change."""
     target, drafter = TARGETS[family], DRAFTERS[(family, block)]
     oracle.target, oracle.noise = (target, noise) if noise is not None else (None, 0.0)
     x = torch.tensor([prompt])
     eos = EOS if eos_on else None
-    assert torch.equal(decode(target, drafter, x, max_new, eos, fast, costs), plain(target, x, max_new, eos))
+    assert torch.equal(decode(target, drafter, x, max_new, eos, fast, costs, tree), plain(target, x, max_new, eos))
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -97,6 +99,17 @@ def test_costly_rounds_propose_one_token_and_free_ones_the_whole_block(oracle, f
         assert torch.equal(decode(target, drafter, x, 30, None, fast, costs), ref)
         full = drafter.last_stats.acceptance_lengths[:-1]  # the last round may be cut by max_new_tokens
         assert full and all(a == per_round for a in full)
+
+
+def test_costly_rounds_verify_a_one_node_tree(oracle):
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    oracle.target = target
+    x = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(
+        decode(target, drafter, x, 30, None, True, [1.0, 50.0, 50.0, 50.0], tree=True), plain(target, x, 30, None)
+    )
+    stats = drafter.last_stats
+    assert stats.drafted_tokens == stats.rounds and set(stats.acceptance_lengths[:-1]) == {1}
 
 
 def test_sampled_draft_length_depends_on_the_distributions_only():

@@ -63,11 +63,12 @@ def test_exact_greedy_equals_plain_bf16(prompt, max_new, fast):
 
 def test_first_round_prefills_the_prompt_alone(oracle):
     """The first round proposes nothing (plain generate prefills the prompt alone); it still counts in tau."""
-    oracle.target = TARGET
     x = torch.tensor([[5, 9, 17, 33]])
+    ref = TARGET.generate(x, do_sample=False, max_new_tokens=19, eos_token_id=None)
+    oracle.reference = ref  # drafts plain generate's own tokens
     with exact_verification(TARGET):
         out = TARGET.generate(x, do_sample=False, max_new_tokens=19, assistant_model=DRAFTER, eos_token_id=None)
-    assert torch.equal(out, TARGET.generate(x, do_sample=False, max_new_tokens=19, eos_token_id=None))
+    assert torch.equal(out, ref)
     lengths = DRAFTER.last_stats.acceptance_lengths
     assert lengths[0] == 0 and all(a == 8 for a in lengths[1:])  # the oracle is always right after that
     with exact_verification(TARGET):

@@ -35,14 +35,18 @@ def plain(target, x, max_new, eos):
     prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=20),
     max_new=st.integers(1, 40),
     noise=st.sampled_from([None, 0.0, 0.3]),
+    demote=st.sampled_from([0.0, 0.5]),
     async_drafting=st.booleans(),
     eos_at=st.one_of(st.none(), st.integers(0, 39)),
     cache=st.sampled_from(["dynamic", "static"]),
+    tree=st.sampled_from([None, False]),
 )
-def test_fast_loop_equals_plain_greedy(oracle, family, block, prompt, max_new, noise, async_drafting, eos_at, cache):
+def test_fast_loop_equals_plain_greedy(
+    oracle, family, block, prompt, max_new, noise, demote, async_drafting, eos_at, cache, tree
+):
     target, drafter = TARGETS[family], DRAFTERS[(family, block)]
     if noise is not None:  # None: the untrained drafter itself; else an oracle that is right with prob 1 - noise
-        oracle.target, oracle.noise = target, noise
+        oracle.target, oracle.noise, oracle.demote = target, noise, demote  # demote: right token ranked second
     else:
         oracle.target = None
     x = torch.tensor([prompt])
@@ -58,6 +62,7 @@ def test_fast_loop_equals_plain_greedy(oracle, family, block, prompt, max_new, n
         eos_token_id=eos,
         async_drafting=async_drafting,
         cache_implementation=cache,
+        tree=tree,  # None: a draft tree wherever it can run (dynamic cache, sync drafting), else a chain
     )
     assert torch.equal(out, ref)
     stats = drafter.last_stats
@@ -100,7 +105,7 @@ def test_fast_loop_tau_counts_target_forwards(oracle):
     oracle.target = target
     x = torch.tensor([[5, 6, 7]])
     with count_forwards(target) as calls:
-        out = speculative_generate(target, drafter, x, max_new_tokens=27, eos_token_id=None)
+        out = speculative_generate(target, drafter, x, max_new_tokens=27, eos_token_id=None, tree=False)
     oracle.target = None
     verify_calls = len(drafter.last_stats.acceptance_lengths)
     assert drafter.last_stats.tau == (out.shape[1] - 3) / verify_calls
@@ -186,9 +191,19 @@ def test_num_assistant_tokens_caps_the_draft_in_both_paths(oracle):
     x = torch.tensor([[5, 6, 7]])
     drafts: list[int] = []
     out = speculative_generate(
-        target, drafter, x, max_new_tokens=20, eos_token_id=None, on_round=lambda d, a, n: drafts.append(len(d))
+        target,
+        drafter,
+        x,
+        max_new_tokens=20,
+        eos_token_id=None,
+        on_round=lambda d, a, n: drafts.append(len(d)),
+        tree=False,
     )
     assert max(drafts) == 3 and drafter.last_stats.tau == 4.0
+    assert torch.equal(out, plain(target, x, 20, None))
+    out = speculative_generate(target, drafter, x, max_new_tokens=20, eos_token_id=None, tree=True)
+    stats = drafter.last_stats
+    assert stats.drafted_tokens <= 3 * stats.rounds and max(stats.acceptance_lengths) <= 3  # trees of 3 nodes
     assert torch.equal(out, plain(target, x, 20, None))
     out = target.generate(
         x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=20, assistant_model=drafter
