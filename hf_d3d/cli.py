@@ -354,7 +354,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     from hf_d3d.calibrate import measure_round_cost, write_round_cost
     from hf_d3d.checks import check_pair
     from hf_d3d.exact import exact_verification
-    from hf_d3d.modeling.generation_d3d import round_cost_key
+    from hf_d3d.modeling.generation_d3d import cpu_kind, round_cost_key
     from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
 
     target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
@@ -362,7 +362,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     check_pair(target, drafter)
     with exact_verification(target) if args.exact else contextlib.nullcontext():
         costs = measure_round_cost(target, drafter, context_length=args.context_length, repeats=args.repeats)
-    key = round_cost_key(target.device.type, target.dtype)
+    key = round_cost_key(target.device.type, target.dtype, cpu_kind() if target.device.type == "cpu" else None)
     print(f"round cost for {key}, in target decode steps, for k = 1..{len(costs)} draft tokens:")
     print("  " + "  ".join(f"{k}: {c:.2f}" for k, c in enumerate(costs, 1)))
     if args.write:

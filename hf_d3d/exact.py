@@ -38,10 +38,12 @@ def exact_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' sdpa attention, except that rows after a cached prefix are computed one at a time.
 
-    A row that attends to a plain prefix of the keys (the decode step's pattern: batch 1, no padding, no sliding
-    window) goes to ``sdpa_attention_forward`` itself over exactly those keys and no mask, as a decode step does,
-    so its bits follow whatever transformers does for one row. Any other row keeps its mask: right, though not
-    bitwise a decode step. A forward whose first row sees only itself (a prefill) is left whole.
+    Where every row sees the whole cache (batch 1, no padding, no sliding window), each row goes to
+    ``sdpa_attention_forward`` itself over exactly the keys it may see, in order, and no mask, as a decode step
+    does, so its bits follow whatever transformers does for one row. For a chain those keys are a prefix; for a
+    draft tree they are the cache, the root and the row's ancestors, which are the keys its decode step will see
+    once the path is committed. Any other row keeps its mask: right, though not bitwise a decode step. A forward
+    whose first row sees only itself (a prefill) is left whole.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     # transformers drops the mask of a multi-row forward only where sdpa's own causal flag is right: a prefill
@@ -53,11 +55,13 @@ def exact_sdpa_attention(
     shared = allowed.shape[1] == 1  # one mask for every head, as transformers' sdpa masks are
     allowed = allowed[0, 0]  # [q, kv]
     ends = allowed.sum(-1).tolist()
-    prefixes = torch.arange(kv_len, device=allowed.device) < torch.tensor(ends, device=allowed.device)[:, None]
-    plain = shared and bool((allowed == prefixes).all())
     if ends[0] == 1:  # the first row sees only itself: a prefill (into a static cache, say)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if not plain:
+    prefixes = torch.arange(kv_len, device=allowed.device) < torch.tensor(ends, device=allowed.device)[:, None]
+    chain = bool((allowed == prefixes).all())
+    # keys by position: decode steps see the whole cache; a row that does not (padding, a window) keeps its mask
+    by_keys = shared and (chain or bool(allowed[:, : kv_len - q_len].all()))
+    if not by_keys:
         warnings.warn(
             "exact verification: rows with padding or a sliding window keep their mask; their bits may differ "
             "from a decode step's",
@@ -66,8 +70,11 @@ def exact_sdpa_attention(
     rows = []
     for i in range(q_len):
         q = query[:, :, i : i + 1]
-        if plain:
+        if by_keys and chain:
             row = sdpa_attention_forward(module, q, key[:, :, : ends[i]], value[:, :, : ends[i]], None, **kwargs)
+        elif by_keys:  # a tree row: the cache, then its own ancestors and itself, in order
+            seen = allowed[i].nonzero().squeeze(1)
+            row = sdpa_attention_forward(module, q, key[:, :, seen], value[:, :, seen], None, **kwargs)
         else:
             row = sdpa_attention_forward(module, q, key, value, attention_mask[:, :, i : i + 1], **kwargs)
         rows.append(row[0])

@@ -99,9 +99,11 @@ def _draft_tokens(checkpoint: Path, config: dict) -> int:
 
 
 def _cost_where(key: str) -> str:
-    """``cpu`` -> ``cpu, fp32 target``; ``cpu:bfloat16`` -> ``cpu, bfloat16 target`` (keys of ``round_cost_key``)."""
+    """``cpu`` -> ``cpu, fp32 target``; ``cpu-avx2:bfloat16`` -> ``cpu (AVX2), bfloat16 target`` (keys of
+    ``round_cost_key``)."""
     device, _, dtype = key.partition(":")
-    return f"{device}, {dtype or 'fp32'} target"
+    device, _, machine = device.partition("-")
+    return f"{device}{f' ({machine.upper()})' if machine else ''}, {dtype or 'fp32'} target"
 
 
 def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:

@@ -137,7 +137,7 @@ def speculative_generate(
     gen = D3DCandidateGenerator(
         drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype
     )
-    why_not = tree_unsupported(target, cache, do_sample, exact)
+    why_not = tree_unsupported(target, cache, do_sample)
     if why_not is None and gen.async_drafting:
         why_not = "async drafting prepares the next chain's outcomes; draft trees draft in sync"
     if tree and why_not:
@@ -221,11 +221,12 @@ def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
     rejected), the accepted count, the target's next token and the accepted node indices. The cache then holds the
     root and every node; :func:`keep_path` compacts it.
     """
-    tree = build_tree([], [], 0)
-    if budget:
-        logprobs, tokens = gen.get_slot_candidates(seq, depth=budget, width=budget)
-        tree = build_tree(logprobs, tokens, budget)
-        tree = tree.prefix(tree_size(tree, gen.round_cost))
+    if budget == 0:  # nothing to draft: an ordinary forward (exact verification prefills the prompt this way)
+        logits = _verified_logits(target, seq[:, cached:], cache, 1, procs, lambda i: seq, trims_logits)
+        return [], 0, int(logits[0].argmax()), []
+    logprobs, tokens = gen.get_slot_candidates(seq, depth=budget, width=budget)
+    tree = build_tree(logprobs, tokens, budget)
+    tree = tree.prefix(tree_size(tree, gen.round_cost))
     gen.stats.drafted_tokens += len(tree.tokens)
     eager = str(target.config._attn_implementation) == "eager"
     ids, positions, mask = tree_inputs(tree, seq[0, cached:].tolist(), cached, seq.device, target.dtype, eager)

@@ -86,6 +86,14 @@ def load_target(
     return model, tokenizer
 
 
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU's kernels compute bf16 natively (AVX512-BF16 / AMX) rather than emulating it."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: assume the stored dtype is fine
+        return True
+
+
 def load_drafter(
     name_or_path: str | None = None,
     dtype: torch.dtype | str = "auto",
@@ -93,12 +101,16 @@ def load_drafter(
 ) -> PreTrainedModel:
     """Load a D3D drafter (local folder or Hub id); ``None`` means the committed SmolLM2 drafter.
 
-    ``"auto"`` keeps the stored dtype (bf16 for our checkpoints), as ``from_pretrained`` does by default. On this
-    project's CPU (an Intel Xeon with AMX bf16 units) a bf16 drafter gave the same tau as fp32 and a faster decode
-    (``scripts/side_by_side.py``, README); on a CPU without bf16 units pass ``torch.float32``.
+    ``"auto"`` keeps the stored dtype (bf16 for our checkpoints), as ``from_pretrained`` does by default, except on
+    a CPU whose kernels have no bf16 support (an AVX2-only CPU), where bf16 matrix multiplies are emulated: there
+    it computes in fp32. Measured (``scripts/side_by_side.py``, README): on an Intel Xeon with AMX bf16 units a bf16
+    drafter decoded faster than fp32 at the same tau; on an AVX2 AMD EPYC, slower.
     """
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
 
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    if dtype == "auto" and on_cpu and not cpu_computes_bf16():
+        dtype = torch.float32
     path = name_or_path or DEFAULT_DRAFTER
     try:
         drafter = D3DDrafterModel.from_pretrained(path, dtype=dtype)

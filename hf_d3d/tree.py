@@ -19,6 +19,8 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from hf_d3d.exact import EXACT_ATTENTION
+
 
 @dataclass
 class DraftTree:
@@ -157,15 +159,13 @@ def keep_path(cache: Cache, start: int, path: list[int]) -> None:
             layer.crop(keep - held)
 
 
-def tree_unsupported(target: PreTrainedModel, cache: Cache, do_sample: bool, exact: bool) -> str | None:
+def tree_unsupported(target: PreTrainedModel, cache: Cache, do_sample: bool) -> str | None:
     """Why draft trees cannot run with these settings, or ``None`` when they can."""
     if do_sample:
         return "draft trees verify greedy decoding only; sampling uses a chain"
-    if exact:
-        return "exact verification computes rows as decode steps do, over a chain"
     if not isinstance(cache, DynamicCache):
         return "draft trees need a dynamic cache (accepted nodes are moved, not overwritten in place)"
-    if str(getattr(target.config, "_attn_implementation", "")) not in ("sdpa", "eager"):
+    if str(getattr(target.config, "_attn_implementation", "")) not in ("sdpa", "eager", EXACT_ATTENTION):
         return "draft trees need sdpa or eager attention (the tree mask is a custom 4D mask)"
     layer_types = getattr(target.config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types) or getattr(target.config, "sliding_window", None):

@@ -111,10 +111,29 @@ def draft_length(confidence: list[float], round_cost: list[float]) -> int:
     return best_k
 
 
-def round_cost_key(device_type: str, target_dtype: torch.dtype | str | None = None) -> str:
-    """Where calibrated round costs are kept: the device type ("cpu" means an fp32 target), plus any other dtype."""
+def round_cost_key(device_type: str, target_dtype: torch.dtype | str | None = None, machine: str | None = None) -> str:
+    """Where calibrated round costs are kept: the device type ("cpu" means an fp32 target), then ``-machine`` if
+    given (a CPU's instruction set, e.g. "cpu-avx2"), then ``:dtype`` for any target dtype but fp32."""
     name = str(target_dtype or "float32").removeprefix("torch.")
-    return device_type if name == "float32" else f"{device_type}:{name}"
+    device = f"{device_type}-{machine.lower()}" if machine else device_type
+    return device if name == "float32" else f"{device}:{name}"
+
+
+def cpu_kind() -> str:
+    """The instruction set torch's CPU kernels use here ("AVX2", "AVX512", ...): CPUs of different kinds run a
+    verify pass over several rows at very different costs relative to one decode step."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def find_round_cost(costs: dict | None, device_type: str, target_dtype: torch.dtype | str | None = None):
+    """Round costs for this device and target dtype: on a CPU those measured on this kind of CPU, else the plain
+    "cpu" ones; ``None`` when none were measured."""
+    costs = costs or {}
+    if device_type == "cpu":
+        own = costs.get(round_cost_key(device_type, target_dtype, cpu_kind()))
+        if own is not None:
+            return own
+    return costs.get(round_cost_key(device_type, target_dtype))
 
 
 class D3DCandidateGenerator(CandidateGenerator):
@@ -162,10 +181,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         if async_drafting is None:  # on by default only where the packed pass can hide behind verification
             async_drafting = device.type == "cuda"
         self.async_drafting = bool(async_drafting)
-        # Round costs measured for this device type and target dtype (hf-d3d calibrate); without them every round
-        # drafts in full. An fp32 target is assumed unless told: the assisted loop never shows us the target.
-        key = round_cost_key(device.type, target_dtype)
-        self.round_cost = (getattr(config, "round_cost", None) or {}).get(key)
+        # Round costs measured for this device (kind of CPU) and target dtype (hf-d3d calibrate); without them every
+        # round drafts in full. An fp32 target is assumed unless told: the assisted loop never shows us the target.
+        self.round_cost = find_round_cost(getattr(config, "round_cost", None), device.type, target_dtype)
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None

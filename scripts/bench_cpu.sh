@@ -6,6 +6,7 @@
 # drafter's d3d_metrics.json (its card).
 # DTYPE=bfloat16 runs the target (and plain generate) in bf16 instead, every other method under
 # hf_d3d.exact_verification, into results/bench_cpu_gsm8k_bf16_exact.*; the card is left alone.
+# OUT=results/NAME.json writes there instead and leaves the card alone (a run on another kind of CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NUM_PROMPTS="${NUM_PROMPTS:-20}"
@@ -15,7 +16,7 @@ DTYPE="${DTYPE:-float32}"
 WEIGHTS_ID=$( (cat "$DRAFTER"/*.safetensors 2>/dev/null || echo "$DRAFTER") | sha256sum | cut -c1-12)
 AR_PEER="${AR_PEER:-$HOME/.cache/hf_d3d/ar-peer-$(basename "$DRAFTER")-$WEIGHTS_ID}"
 case "$DTYPE" in
-    float32) MODE=(--out results/bench_cpu_gsm8k.json --write-metrics) ;;
+    float32) MODE=(--out "${OUT:-results/bench_cpu_gsm8k.json}") && [ -n "${OUT:-}" ] || MODE+=(--write-metrics) ;;
     bfloat16) MODE=(--dtype bfloat16 --exact --out results/bench_cpu_gsm8k_bf16_exact.json) ;;
     *) echo "DTYPE must be float32 or bfloat16, got $DTYPE" >&2; exit 2 ;;
 esac

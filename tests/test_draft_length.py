@@ -13,7 +13,7 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 from conftest import EOS, VOCAB, make_drafter, tiny_target
 from hf_d3d import D3DCandidateGenerator, D3DConfig, speculative_generate
 from hf_d3d.calibrate import measure_round_cost, write_round_cost
-from hf_d3d.modeling.generation_d3d import draft_length
+from hf_d3d.modeling.generation_d3d import cpu_kind, draft_length, round_cost_key
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
 DRAFTERS = {(fam, b): make_drafter(t, block_size=b) for fam, t in TARGETS.items() for b in (2, 4, 8)}
@@ -148,6 +148,12 @@ def test_round_cost_is_validated_and_chosen_by_device():
         drafter.config.round_cost["cpu:bfloat16"] = [1.2, 1.2, 1.3, 1.3]
         assert D3DCandidateGenerator(drafter, target_dtype=torch.bfloat16).round_cost == [1.2, 1.2, 1.3, 1.3]
         assert D3DCandidateGenerator(drafter, target_dtype="float32").round_cost == [1.2, 1.3, 1.9, 2.0]
+        # costs measured on this kind of CPU come before the plain "cpu" ones; another kind's never apply
+        drafter.config.round_cost["cpu-some-other-isa"] = [9.0, 9.0, 9.0, 9.0]
+        assert D3DCandidateGenerator(drafter).round_cost == [1.2, 1.3, 1.9, 2.0]
+        drafter.config.round_cost[round_cost_key("cpu", None, cpu_kind())] = [1.1, 1.1, 1.1, 1.1]
+        assert D3DCandidateGenerator(drafter).round_cost == [1.1, 1.1, 1.1, 1.1]
+        assert D3DCandidateGenerator(drafter, target_dtype=torch.bfloat16).round_cost == [1.2, 1.2, 1.3, 1.3]
     finally:
         drafter.config.round_cost = None
 

@@ -52,7 +52,7 @@ def test_exact_greedy_equals_plain_bf16(prompt, max_new, fast):
     x = torch.tensor([prompt])
     ref = plain(x, max_new)
     with exact_verification(TARGET):
-        if fast:
+        if fast:  # a draft tree, by default
             out = speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new)
         else:
             out = TARGET.generate(
@@ -139,3 +139,37 @@ def test_context_restores_the_target_and_refuses_what_it_cannot_make_exact():
         with exact_verification(eager):
             pass
     assert EXACT_ATTENTION not in ("sdpa", "eager")
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24), max_new=st.integers(1, 40))
+def test_exact_draft_trees_equal_plain_bf16(oracle, prompt, max_new):
+    """Tree rows see the cache and their ancestors: computed over exactly those keys, each is a decode step."""
+    x = torch.tensor([prompt])
+    ref = plain(x, max_new)
+    oracle.target, oracle.demote = TARGET, 0.5  # paths through second-ranked nodes, so rows gather sparse keys
+    with exact_verification(TARGET):
+        out = speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new, tree=True)
+    assert torch.equal(ref, out)
+
+
+def test_exact_tree_rows_gather_their_keys(monkeypatch):
+    """Each tree row's attention runs over the cache plus its own ancestors, maskless, one call per row."""
+    from hf_d3d.tree import DraftTree, tree_inputs
+
+    seen = []
+    real = exact.sdpa_attention_forward
+    monkeypatch.setattr(
+        exact,
+        "sdpa_attention_forward",
+        lambda m, q, k, v, mask, **kw: seen.append((k.shape[2], mask is None)) or real(m, q, k, v, mask, **kw),
+    )
+    tree = DraftTree([20, 30, 21], [-1, -1, 0], [1, 1, 2], [0] * 3)
+    ids, pos, mask = tree_inputs(tree, [9], 5, torch.device("cpu"), TARGET.dtype, additive=False)
+    with exact_verification(TARGET), torch.no_grad():
+        cache = TARGET(torch.randint(4, VOCAB, (1, 5)), use_cache=True).past_key_values
+        seen.clear()
+        TARGET(ids, past_key_values=cache, position_ids=pos, attention_mask=mask)
+    assert seen == [(6, True), (7, True), (7, True), (8, True)] * 3  # root, 20, 30 (sibling), 21 (child of 20)

@@ -114,3 +114,17 @@ def test_committed_checkpoints_ship_the_current_remote_code():
     for folder in folders:
         for name in REMOTE_FILES:
             assert (folder / name).read_text() == (root / "modeling" / name).read_text(), f"{folder.name}/{name}"
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_dtype_computes_in_fp32_where_the_cpu_emulates_bf16(saved, monkeypatch, native_bf16):
+    """A bf16 checkpoint keeps bf16 on a CPU with bf16 units and computes in fp32 on one without (AVX2)."""
+    from hf_d3d import targets
+
+    _, drafter, folder = saved
+    drafter.to(torch.bfloat16).save_pretrained(folder.parent / "bf16")
+    drafter.to(torch.float32)
+    monkeypatch.setattr(targets, "cpu_computes_bf16", lambda: native_bf16)
+    loaded = targets.load_drafter(str(folder.parent / "bf16"))
+    assert loaded.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert targets.load_drafter(str(folder.parent / "bf16"), dtype=torch.bfloat16).dtype == torch.bfloat16

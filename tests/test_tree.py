@@ -14,7 +14,6 @@ from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogits
 
 from conftest import VOCAB, make_drafter, tiny_target
 from hf_d3d import speculative_generate
-from hf_d3d.exact import exact_verification
 from hf_d3d.tree import DraftTree, build_tree, keep_path, tree_inputs, tree_size, verify_tree_greedy
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -174,8 +173,6 @@ def test_tree_true_refuses_what_it_cannot_verify():
         speculative_generate(target, drafter, x, 4, cache_implementation="static", tree=True)
     with pytest.raises(ValueError, match="async"):
         speculative_generate(target, drafter, x, 4, async_drafting=True, tree=True)
-    with exact_verification(target), pytest.raises(ValueError, match="exact"):
-        speculative_generate(target, drafter, x, 4, tree=True)
     sliding = tiny_target("llama")
     sliding.config.sliding_window = 16
     with pytest.raises(ValueError, match="full-attention"):

@@ -22,7 +22,8 @@ class D3DConfig(PreTrainedConfig):
             by frequency in the training data) and computes its LM head over them alone at inference; on a small
             target the full head is most of a draft's cost. Verification still uses the target's full vocabulary.
         round_cost: per device type and target dtype (``"cpu"`` and ``"cuda"`` for an fp32 target,
-            ``"cpu:bfloat16"`` for a bf16 one), the measured cost of a round that proposes k = 1, 2, ...
+            ``"cpu:bfloat16"`` for a bf16 one; ``"cpu-avx2"`` for CPUs of that kind only, which then come before
+            ``"cpu"``), the measured cost of a round that proposes k = 1, 2, ...
             tokens (one draft plus one target forward over k + 1 tokens), in target decode steps. Where set, each
             round proposes the number of tokens (up to ``num_assistant_tokens``) with the most expected committed
             tokens per unit of cost; elsewhere every round proposes ``num_assistant_tokens``. ``hf-d3d calibrate``
