@@ -1,9 +1,10 @@
 """The opt-in fast loop: D3D speculative decoding that owns the whole decode (batch size 1).
 
 Same tokens as ``target.generate``; less per-round work than transformers' general assisted loop (no candidate
-generator plumbing, no per-round kwargs copies). The host reads the device only after each verify forward, to
-learn the acceptance length; with async drafting or a measured ``round_cost`` (the draft length is then chosen per
-round), the host also reads the draft's confidences.
+generator plumbing, no per-round kwargs copies), and greedy rounds verify draft trees (:mod:`hf_d3d.tree`). The host
+reads the device after each verify forward, to learn the acceptance length, and once per round after the draft:
+the slot candidates a tree is built from, or, for a chain, the draft's confidences where async drafting or a
+measured ``round_cost`` (the draft length is then chosen per round) needs them.
 Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``.
 """
 
@@ -134,6 +135,8 @@ def speculative_generate(
         raise ValueError("exact verification computes rows as plain generate does, over a dynamic cache")
     cache = _target_cache(target, cache_implementation, limit)
     cached = 0
+    if tree and async_drafting is None:  # asked for a tree: draft in sync, even where async is the default (CUDA)
+        async_drafting = False
     gen = D3DCandidateGenerator(
         drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype
     )
@@ -214,6 +217,11 @@ def _chain_round(target, gen, seq, cache, cached, budget, procs, trims_logits, d
     return draft.tolist(), n, nxt
 
 
+# Uncached tokens (the prompt, in the first round) verified in the same forward as a tree, up to this many; beyond
+# it they are prefilled on their own, so the custom mask stays small.
+_JOIN_PREFILL = 512
+
+
 def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
     """Draft a tree of up to ``budget`` nodes and verify it in one forward (greedy; also prefills what is uncached).
 
@@ -228,9 +236,14 @@ def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
     tree = build_tree(logprobs, tokens, budget)
     tree = tree.prefix(tree_size(tree, gen.round_cost))
     gen.stats.drafted_tokens += len(tree.tokens)
+    if seq.shape[1] - cached > _JOIN_PREFILL:  # a long prompt: its own forward, not a dense (m + n)^2 tree mask
+        target(
+            seq[:, cached:-1], past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if trims_logits else {})
+        )
+        cached = seq.shape[1] - 1
     eager = str(target.config._attn_implementation) == "eager"
     ids, positions, mask = tree_inputs(tree, seq[0, cached:].tolist(), cached, seq.device, target.dtype, eager)
-    committed = seq[0].tolist()
+    committed = seq[0].tolist() if len(procs) else []
     logits = _verified_logits(
         target,
         ids,

@@ -87,7 +87,8 @@ def load_target(
 
 
 def cpu_computes_bf16() -> bool:
-    """Whether this CPU's kernels compute bf16 natively (AVX512-BF16 / AMX) rather than emulating it."""
+    """Whether oneDNN runs bf16 on this CPU with AVX512 or newer units (natively on AVX512-BF16 / AMX); an
+    AVX2-only CPU emulates bf16 matrix multiplies, slower than fp32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a build without oneDNN: assume the stored dtype is fine

@@ -12,6 +12,7 @@ and the cache is compacted to that path. The output stays the target's own greed
 from __future__ import annotations
 
 import heapq
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -65,8 +66,9 @@ def build_tree(logprobs: list[list[float]], tokens: list[list[int]], max_nodes: 
     if max_nodes < 1 or depth_limit == 0:
         return out
     expected = 1.0
-    # heap entries: (-path log-prob, depth index, parent node, rank of the candidate at that depth)
-    heap = [(-logprobs[0][0], 0, -1, 0)]
+    # heap entries: (-path log-prob, depth index, parent node, rank of the candidate at that depth); a candidate the
+    # drafter gives probability 0 (-inf) never enters, as it could never be the target's token by the drafter's count
+    heap = [(-logprobs[0][0], 0, -1, 0)] if math.isfinite(logprobs[0][0]) else []
     while heap and len(out.tokens) < max_nodes:
         neg, d, parent, rank = heapq.heappop(heap)
         out.tokens.append(tokens[d][rank])
@@ -75,9 +77,9 @@ def build_tree(logprobs: list[list[float]], tokens: list[list[int]], max_nodes: 
         expected += math.exp(-neg)
         out.value.append(expected)
         node = len(out.tokens) - 1
-        if rank + 1 < len(tokens[d]):  # the next sibling: same parent, next candidate
+        if rank + 1 < len(tokens[d]) and math.isfinite(logprobs[d][rank + 1]):  # next sibling: same parent
             heapq.heappush(heap, (neg + logprobs[d][rank] - logprobs[d][rank + 1], d, parent, rank + 1))
-        if d + 1 < depth_limit:  # the first child: best candidate of the next slot
+        if d + 1 < depth_limit and math.isfinite(logprobs[d + 1][0]):  # first child: best candidate of the next slot
             heapq.heappush(heap, (neg - logprobs[d + 1][0], d + 1, node, 0))
     return out
 
@@ -145,13 +147,19 @@ def keep_path(cache: Cache, start: int, path: list[int]) -> None:
     keep = start + 1 + len(path)
     src = [start + 1 + node for node in path]
     moved = [(s, d) for d, s in enumerate(src, start=start + 1) if s != d]
+    index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # built once per device, not per layer
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
         if moved:
+            device = layer.keys.device
+            if device not in index:
+                index[device] = (
+                    torch.tensor([m[0] for m in moved], device=device),
+                    torch.tensor([m[1] for m in moved], device=device),
+                )
+            s, d = index[device]
             # src >= dst everywhere, and the gather copies before writing, so no source is overwritten first
-            s = torch.tensor([m[0] for m in moved], device=layer.keys.device)
-            d = torch.tensor([m[1] for m in moved], device=layer.keys.device)
             layer.keys[:, :, d] = layer.keys[:, :, s]
             layer.values[:, :, d] = layer.values[:, :, s]
         held = layer.get_seq_length()
@@ -167,9 +175,20 @@ def tree_unsupported(target: PreTrainedModel, cache: Cache, do_sample: bool) -> 
         return "draft trees need a dynamic cache (accepted nodes are moved, not overwritten in place)"
     if str(getattr(target.config, "_attn_implementation", "")) not in ("sdpa", "eager", EXACT_ATTENTION):
         return "draft trees need sdpa or eager attention (the tree mask is a custom 4D mask)"
-    layer_types = getattr(target.config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types) or getattr(target.config, "sliding_window", None):
+    config = target.config.get_text_config()
+    # Siblings share a position, so positions must come from position_ids through rotary embeddings; ALiBi and
+    # learned absolute positions are built from the 2D mask or the token order and cannot take a tree.
+    rotary = getattr(config, "rope_parameters", None) is not None or getattr(config, "rope_theta", None) is not None
+    if (
+        getattr(config, "alibi", False)
+        or not rotary
+        or "position_ids" not in inspect.signature(target.forward).parameters
+    ):
+        return "draft trees need a target with rotary positions taken from position_ids"
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    if any(kind != "full_attention" for kind in layer_types) or windowed:
         return "draft trees support full-attention targets only (a sliding window would drop the root's context)"
-    if cache.layers and any(type(layer) is not DynamicLayer for layer in cache.layers):
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):  # a cache built from a config may hold others
         return "draft trees support plain dynamic cache layers only"
     return None

@@ -39,7 +39,7 @@ def plain(target, x, max_new, eos):
     async_drafting=st.booleans(),
     eos_at=st.one_of(st.none(), st.integers(0, 39)),
     cache=st.sampled_from(["dynamic", "static"]),
-    tree=st.sampled_from([None, False]),
+    tree=st.sampled_from([None, False, True]),
 )
 def test_fast_loop_equals_plain_greedy(
     oracle, family, block, prompt, max_new, noise, demote, async_drafting, eos_at, cache, tree
@@ -62,7 +62,8 @@ def test_fast_loop_equals_plain_greedy(
         eos_token_id=eos,
         async_drafting=async_drafting,
         cache_implementation=cache,
-        tree=tree,  # None: a draft tree wherever it can run (dynamic cache, sync drafting), else a chain
+        # None: a draft tree wherever it can run (dynamic cache, sync drafting), else a chain; True where it can
+        tree=None if tree and (cache == "static" or async_drafting) else tree,
     )
     assert torch.equal(out, ref)
     stats = drafter.last_stats

@@ -177,3 +177,39 @@ def test_tree_true_refuses_what_it_cannot_verify():
     sliding.config.sliding_window = 16
     with pytest.raises(ValueError, match="full-attention"):
         speculative_generate(sliding, make_drafter(sliding), x, 4, tree=True)
+
+
+def test_targets_without_rotary_positions_fall_back_to_a_chain():
+    """ALiBi (Bloom) builds positions from the 2D mask: no tree; the default quietly verifies chains instead."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)).eval()
+    drafter = make_drafter(TARGETS["llama"], block_size=4)
+    x = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(speculative_generate(bloom, drafter, x, 12, eos_token_id=None), plain(bloom, x, 12))
+    with pytest.raises(ValueError, match="rotary"):
+        speculative_generate(bloom, drafter, x, 4, tree=True)
+
+
+def test_a_long_prompt_is_prefilled_apart_from_the_tree(monkeypatch):
+    """Beyond _JOIN_PREFILL uncached tokens the prompt gets its own forward (no dense prompt-sized tree mask)."""
+    from hf_d3d import speculative
+
+    target = TARGETS["qwen3"]
+    drafter = make_drafter(target, block_size=4)
+    x = torch.tensor([list(range(10, 30))])
+    widths = []
+
+    def record(module, args, kwargs):
+        widths.append((args[0] if args else kwargs["input_ids"]).shape[1])
+
+    hook = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        monkeypatch.setattr(speculative, "_JOIN_PREFILL", 8)
+        out = speculative_generate(target, drafter, x, 10, eos_token_id=None, tree=True)
+    finally:
+        hook.remove()
+    assert torch.equal(out, plain(target, x, 10))
+    assert widths[0] == 19  # the prompt but its last token, alone; the last token is the first tree's root
+    assert all(w <= 1 + 4 for w in widths[1:])  # then root + at most 4 nodes per forward

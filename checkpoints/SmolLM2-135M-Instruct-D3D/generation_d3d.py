@@ -115,7 +115,7 @@ def round_cost_key(device_type: str, target_dtype: torch.dtype | str | None = No
     """Where calibrated round costs are kept: the device type ("cpu" means an fp32 target), then ``-machine`` if
     given (a CPU's instruction set, e.g. "cpu-avx2"), then ``:dtype`` for any target dtype but fp32."""
     name = str(target_dtype or "float32").removeprefix("torch.")
-    device = f"{device_type}-{machine.lower()}" if machine else device_type
+    device = f"{device_type}-{machine.lower().replace(' ', '')}" if machine else device_type
     return device if name == "float32" else f"{device}:{name}"
 
 
