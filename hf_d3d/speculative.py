@@ -154,7 +154,8 @@ def speculative_generate(
     while seq.shape[1] < limit:
         # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
         budget = 0 if exact and cached == 0 else min(per_round, limit - seq.shape[1] - 1)
-        if use_tree:
+        tree_round = use_tree and budget > 0  # nothing to draft (exact's first round): an ordinary forward
+        if tree_round:
             draft, n, nxt, path = _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits)
         else:
             draft, n, nxt = _chain_round(
@@ -178,7 +179,7 @@ def speculative_generate(
             on_round(draft, min(n, len(new)), new)
         held = seq.shape[1] + len(draft)  # what a chain's verify pass left in the cache
         seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
-        if use_tree:  # the cache holds every node: keep the committed ones, moved into place
+        if tree_round:  # the cache holds every node: keep the committed ones, moved into place
             keep_path(cache, seq.shape[1] - len(new) - 1, path[: len(new) - 1])
         else:
             _truncate(cache, seq.shape[1] - 1, held)
@@ -229,9 +230,6 @@ def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
     rejected), the accepted count, the target's next token and the accepted node indices. The cache then holds the
     root and every node; :func:`keep_path` compacts it.
     """
-    if budget == 0:  # nothing to draft: an ordinary forward (exact verification prefills the prompt this way)
-        logits = _verified_logits(target, seq[:, cached:], cache, 1, procs, lambda i: seq, trims_logits)
-        return [], 0, int(logits[0].argmax()), []
     logprobs, tokens = gen.get_slot_candidates(seq, depth=budget, width=budget)
     tree = build_tree(logprobs, tokens, budget)
     tree = tree.prefix(tree_size(tree, gen.round_cost))

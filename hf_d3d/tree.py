@@ -3,10 +3,10 @@
 A D3D drafter predicts every slot of a block independently, so it can offer more than its top choice at each
 slot for free. A draft tree spends the verified rows on the most likely token paths instead of on one chain: the
 best-first tree of n nodes holds the n paths with the highest probability under the drafter's own (independent)
-slot distributions. On 10 GSM8K test answers of SmolLM2-135M-Instruct an 8-node tree commits more tokens per
-target forward than an 8-token chain (README). The target verifies the tree with a tree attention mask (each node
-sees the cache, the root and its own ancestors); the longest path that matches the target's argmax is committed,
-and the cache is compacted to that path. The output stays the target's own greedy output.
+slot distributions. With SmolLM2-135M-Instruct on 10 GSM8K test prompts, trees committed 2.66 tokens per target
+forward against 2.25 for chains, at the same round costs (README). The target verifies the tree with a tree
+attention mask (each node sees the cache, the root and its own ancestors); the longest path that matches the
+target's argmax is committed, and the cache is compacted to that path. The output stays the target's own greedy output.
 """
 
 from __future__ import annotations
