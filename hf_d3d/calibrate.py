@@ -7,6 +7,7 @@ number of rows), so the best draft length depends on the machine: it is measured
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import statistics
@@ -18,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from hf_d3d.atomic import write_json_atomic
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
+from hf_d3d.skinny import skinny_by_default, skinny_linears
 
 
 def _timer(device: torch.device):
@@ -41,6 +43,7 @@ def measure_round_cost(
     repeats: int = 15,
     new_per_round: int = 3,
     seed: int = 0,
+    skinny: bool | None = None,
 ) -> list[float]:
     """Cost of a round proposing k = 1 .. ``block_size`` tokens, in target decode steps (medians of ``repeats``).
 
@@ -58,13 +61,15 @@ def measure_round_cost(
     target(context, past_key_values=cache, use_cache=True)
     sizes = list(range(1, block + 2))
     verify: dict[int, list[float]] = {m: [] for m in sizes}
-    for rep in range(repeats + 1):  # the first pass is a warm-up
-        for m in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:
-            keep = {"logits_to_keep": m} if trims else {}
-            seconds = timed(lambda m=m, keep=keep: target(context[:, -m:], past_key_values=cache, **keep))
-            cache.crop(-m)
-            if rep:
-                verify[m].append(seconds)
+    skinny = skinny_by_default(target) if skinny is None else skinny
+    with skinny_linears(target) if skinny else contextlib.nullcontext():
+        for rep in range(repeats + 1):  # the first pass is a warm-up
+            for m in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:
+                keep = {"logits_to_keep": m} if trims else {}
+                seconds = timed(lambda m=m, keep=keep: target(context[:, -m:], past_key_values=cache, **keep))
+                cache.crop(-m)
+                if rep:
+                    verify[m].append(seconds)
     gen = D3DCandidateGenerator(drafter, async_drafting=False)
     gen.round_cost = None  # time the full block
     gen.get_candidates(context)

@@ -10,6 +10,7 @@ Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate,
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from transformers.generation import (
 from hf_d3d.checks import check_pair
 from hf_d3d.exact import is_exact
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
+from hf_d3d.skinny import skinny_by_default, skinny_linears
 from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 
@@ -101,6 +103,7 @@ def speculative_generate(
     stopping_criteria=None,
     cache_implementation: str = "dynamic",
     tree: bool | None = None,
+    skinny: bool | None = None,
 ) -> torch.LongTensor:
     """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
 
@@ -111,6 +114,9 @@ def speculative_generate(
     after each verification (the Space uses it to colour accepted and rejected draft tokens).
     ``cache_implementation="static"`` preallocates the target's KV cache for the whole decode (a fixed-shape
     cache, as torch.compile and CUDA graphs want); rejected positions are then overwritten rather than freed.
+    ``tree``: verify draft trees (greedy; the default where the target supports them and drafting is in sync) or
+    chains (False). ``skinny``: compute the target's few-row verify linears as :func:`hf_d3d.skinny.skinny_linears`
+    does (default: fp32 targets on CPU, unless verification is exact).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
@@ -151,43 +157,48 @@ def speculative_generate(
     per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
     # Only the k + 1 verified positions need the LM head; at prefill that skips the whole prompt's rows.
     trims_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
-    while seq.shape[1] < limit:
-        # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
-        budget = 0 if exact and cached == 0 else min(per_round, limit - seq.shape[1] - 1)
-        tree_round = use_tree and budget > 0  # nothing to draft (exact's first round): an ordinary forward
-        if tree_round:
-            draft, n, nxt, path = _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits)
-        else:
-            draft, n, nxt = _chain_round(
-                target, gen, seq, cache, cached, budget, procs, trims_logits, do_sample, generator
-            )
-        new = draft[:n] + [nxt]
-        new = new[: limit - seq.shape[1]]
-        stop = False
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new, stop = new[: i + 1], True
-                break
-        if stopping_criteria is not None:  # e.g. stop strings: checked after every committed token, as generate does
-            for i in range(len(new)):
-                grown = torch.cat([seq, torch.tensor([new[: i + 1]], device=device)], dim=1)
-                if bool(stopping_criteria(grown, None).any()):
+    if skinny is None:
+        skinny = skinny_by_default(target)
+    with skinny_linears(target) if skinny else contextlib.nullcontext():
+        while seq.shape[1] < limit:
+            # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
+            budget = 0 if exact and cached == 0 else min(per_round, limit - seq.shape[1] - 1)
+            tree_round = use_tree and budget > 0  # nothing to draft (exact's first round): an ordinary forward
+            if tree_round:
+                draft, n, nxt, path = _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits)
+            else:
+                draft, n, nxt = _chain_round(
+                    target, gen, seq, cache, cached, budget, procs, trims_logits, do_sample, generator
+                )
+            new = draft[:n] + [nxt]
+            new = new[: limit - seq.shape[1]]
+            stop = False
+            for i, tok in enumerate(new):
+                if tok in eos:
                     new, stop = new[: i + 1], True
                     break
-        gen.record_outcome(min(n, len(new)), len(new))
-        if on_round is not None:
-            on_round(draft, min(n, len(new)), new)
-        held = seq.shape[1] + len(draft)  # what a chain's verify pass left in the cache
-        seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
-        if tree_round:  # the cache holds every node: keep the committed ones, moved into place
-            keep_path(cache, seq.shape[1] - len(new) - 1, path[: len(new) - 1])
-        else:
-            _truncate(cache, seq.shape[1] - 1, held)
-        cached = seq.shape[1] - 1
-        if streamer is not None:
-            streamer.put(torch.tensor(new))
-        if stop:
-            break
+            if (
+                stopping_criteria is not None
+            ):  # e.g. stop strings: checked after every committed token, as generate does
+                for i in range(len(new)):
+                    grown = torch.cat([seq, torch.tensor([new[: i + 1]], device=device)], dim=1)
+                    if bool(stopping_criteria(grown, None).any()):
+                        new, stop = new[: i + 1], True
+                        break
+            gen.record_outcome(min(n, len(new)), len(new))
+            if on_round is not None:
+                on_round(draft, min(n, len(new)), new)
+            held = seq.shape[1] + len(draft)  # what a chain's verify pass left in the cache
+            seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
+            if tree_round:  # the cache holds every node: keep the committed ones, moved into place
+                keep_path(cache, seq.shape[1] - len(new) - 1, path[: len(new) - 1])
+            else:
+                _truncate(cache, seq.shape[1] - 1, held)
+            cached = seq.shape[1] - 1
+            if streamer is not None:
+                streamer.put(torch.tensor(new))
+            if stop:
+                break
     if streamer is not None:
         streamer.end()
     return seq

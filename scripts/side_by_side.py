@@ -3,8 +3,9 @@
 Usage: python scripts/side_by_side.py SPEC [SPEC ...] [--num-prompts N] [--out RESULT.json]. SPEC is a drafter
 folder, then optionally ``@K`` to draft up to K tokens per round (default: its shipped ``num_assistant_tokens``),
 then any of ``+static`` (a preallocated target cache), ``+fixed`` (K tokens every round, ignoring the measured
-round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype) and ``+chain`` (one chain per round instead
-of a draft tree): ``PATH@4+fixed+fp32``. GSM8K test
+round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype), ``+chain`` (one chain per round instead
+of a draft tree) and ``+noskinny`` (the target's verify linears as ``F.linear`` computes them; see
+``hf_d3d.skinny``): ``PATH@4+fixed+fp32``. GSM8K test
 prompts, timed by
 ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
 greedy.
@@ -31,12 +32,18 @@ target, tok = load_target()
 loaded = {}
 
 
-def fast(drafter, k, cache, round_cost, tree):
+def fast(drafter, k, cache, round_cost, tree, skinny):
     def run(x):
         drafter.generation_config.num_assistant_tokens = k
         drafter.config.round_cost = round_cost
         return speculative_generate(
-            target, drafter, x, max_new_tokens=args.max_new_tokens, cache_implementation=cache, tree=tree
+            target,
+            drafter,
+            x,
+            max_new_tokens=args.max_new_tokens,
+            cache_implementation=cache,
+            tree=tree,
+            skinny=skinny,
         )
 
     return run
@@ -52,8 +59,8 @@ runners = {
 }
 for spec in args.specs:
     spec_path, *flags = spec.split("+")
-    if set(flags) - {"static", "fixed", "fp32", "chain"}:
-        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain")
+    if set(flags) - {"static", "fixed", "fp32", "chain", "noskinny"}:
+        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain, +noskinny")
     path, _, k = spec_path.partition("@")
     dtype = torch.float32 if "fp32" in flags else "auto"
     if (path, dtype) not in loaded:
@@ -64,7 +71,14 @@ for spec in args.specs:
     cache = "static" if "static" in flags else "dynamic"
     costs = None if "fixed" in flags else round_cost
     runners[spec] = (
-        fast(drafter, int(k) if k else shipped, cache, costs, False if "chain" in flags else None),
+        fast(
+            drafter,
+            int(k) if k else shipped,
+            cache,
+            costs,
+            False if "chain" in flags else None,
+            False if "noskinny" in flags else None,
+        ),
         drafter,
     )
 questions = load_prompts("gsm8k:test", "question", args.num_prompts)

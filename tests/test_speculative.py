@@ -40,9 +40,10 @@ def plain(target, x, max_new, eos):
     eos_at=st.one_of(st.none(), st.integers(0, 39)),
     cache=st.sampled_from(["dynamic", "static"]),
     tree=st.sampled_from([None, False, True]),
+    skinny=st.sampled_from([None, False]),  # None: on, as for every fp32 CPU target
 )
 def test_fast_loop_equals_plain_greedy(
-    oracle, family, block, prompt, max_new, noise, demote, async_drafting, eos_at, cache, tree
+    oracle, family, block, prompt, max_new, noise, demote, async_drafting, eos_at, cache, tree, skinny
 ):
     target, drafter = TARGETS[family], DRAFTERS[(family, block)]
     if noise is not None:  # None: the untrained drafter itself; else an oracle that is right with prob 1 - noise
@@ -64,6 +65,7 @@ def test_fast_loop_equals_plain_greedy(
         cache_implementation=cache,
         # None: a draft tree wherever it can run (dynamic cache, sync drafting), else a chain; True where it can
         tree=None if tree and (cache == "static" or async_drafting) else tree,
+        skinny=skinny,
     )
     assert torch.equal(out, ref)
     stats = drafter.last_stats

@@ -1,0 +1,71 @@
+"""Verify forwards over a few rows for about the cost of one decode step, on CPUs where fp32 GEMMs lose that.
+
+A verify forward over k + 1 rows reads the same weights as a decode step, and on a CPU reading them is most of its
+cost. But fp32 ``F.linear`` (``x @ W.T``) over 2-16 rows leaves the matrix-vector kernel of one row for a GEMM
+that, on the 2 AVX2 cores this was measured on, costs about twice as much: a whole SmolLM2-135M forward over 2-9
+rows took 1.7-2.1 decode steps. The same product computed as ``(W @ x.T).T`` (the few rows as the GEMM's
+columns) stays near one weight read up to about 5 rows. So within the fast loop, plain fp32 ``nn.Linear`` modules
+of the target on CPU compute 2..``max_rows`` rows that way; one row (plain decoding) and longer inputs
+(prefills) are untouched. The values are the same product, rounded differently: as with any batched verify forward,
+not bit-identical to a decode step (:mod:`hf_d3d.exact` is the bitwise mode and turns this off).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_d3d.exact import is_exact
+
+SKINNY_ROWS = 16
+
+
+def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 1 < rows <= max_rows:
+        return F.linear(x, module.weight, module.bias)
+    out = (module.weight @ x.reshape(rows, -1).T).T.contiguous()  # row-major again: sdpa's fast kernels need it
+    if module.bias is not None:
+        out = out + module.bias
+    return out.reshape(*x.shape[:-1], module.weight.shape[0])
+
+
+def skinny_by_default(model: nn.Module) -> bool:
+    """Whether the fast loop uses :func:`skinny_linears` for ``model`` unless told: fp32 weights on CPU, and not
+    under exact verification (whose row-for-row bits rely on the linears' own kernels)."""
+    param = next(model.parameters(), None)
+    return (
+        param is not None
+        and param.device.type == "cpu"
+        and param.dtype == torch.float32
+        and not (hasattr(model, "config") and is_exact(model))
+    )
+
+
+@contextmanager
+def skinny_linears(model: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[int]:
+    """Within the block, ``model``'s plain fp32 CPU ``nn.Linear`` modules compute 2..``max_rows`` rows as
+    ``(W @ x.T).T``; yields how many modules that is. Subclasses (quantized linears), other dtypes and devices, and
+    modules whose ``forward`` is already replaced on the instance (accelerate's offload hooks) are left alone."""
+    if max_rows < 2:
+        raise ValueError(f"max_rows must be >= 2, got {max_rows}")
+    patched = []
+    try:
+        for module in model.modules():
+            if (
+                type(module) is nn.Linear
+                and "forward" not in module.__dict__
+                and module.weight.device.type == "cpu"
+                and module.weight.dtype == torch.float32
+            ):
+                module.forward = functools.partial(_skinny_forward, module, max_rows=max_rows)
+                patched.append(module)
+        yield len(patched)
+    finally:
+        for module in patched:
+            del module.forward

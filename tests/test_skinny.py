@@ -1,0 +1,85 @@
+"""Few-row linears computed as weight @ input.T (`hf_d3d.skinny`): same values, scoped, and only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hf_d3d.skinny as skinny_mod
+from conftest import make_drafter, tiny_target
+from hf_d3d import exact_verification, speculative_generate
+from hf_d3d.skinny import skinny_by_default, skinny_linears
+
+
+class _Scaled(nn.Linear):  # a Linear subclass (as quantized linears are): its own forward must stay
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 7), (2, 7), (5, 7), (1, 3, 7), (2, 2, 7), (16, 7), (17, 7), (1, 40, 7)])
+def test_values_match_linear_and_are_row_major(bias, shape):
+    torch.manual_seed(0)
+    lin = nn.Linear(7, 11, bias=bias)
+    x = torch.randn(shape)
+    with skinny_linears(lin) as n:
+        out = lin(x)
+    assert n == 1
+    assert out.shape == (*shape[:-1], 11) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias))
+
+
+def test_scoped_and_restored_even_on_error():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match="boom"), skinny_linears(model) as n:
+        assert n == 2 and all("forward" in m.__dict__ for m in (model[0], model[2]))
+        raise RuntimeError("boom")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    with pytest.raises(ValueError, match="max_rows"), skinny_linears(model, max_rows=1):
+        pass
+
+
+def test_leaves_other_linears_alone():
+    hooked = nn.Linear(4, 4)
+    hook = hooked.forward  # an instance forward, as accelerate's offload hooks install
+    hooked.forward = hook
+    model = nn.ModuleDict({"bf16": nn.Linear(4, 4).bfloat16(), "sub": _Scaled(4, 4), "hooked": hooked})
+    with skinny_linears(model) as n:
+        assert n == 0
+        assert hooked.forward is hook
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(model["sub"](x), 2 * F.linear(x, model["sub"].weight, model["sub"].bias))
+    assert hooked.forward is hook
+
+
+def test_default_is_fp32_cpu_without_exact_verification():
+    target = tiny_target("llama")
+    assert skinny_by_default(target)
+    with exact_verification(target):
+        assert not skinny_by_default(target)
+    assert not skinny_by_default(tiny_target("llama").bfloat16())
+
+
+def test_fast_loop_takes_the_skinny_path_and_stays_lossless(monkeypatch):
+    target = tiny_target("qwen3")
+    drafter = make_drafter(target, block_size=8)
+    rows_seen = []
+    real = skinny_mod._skinny_forward
+
+    def counting(module, x, max_rows):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return real(module, x, max_rows)
+
+    monkeypatch.setattr(skinny_mod, "_skinny_forward", counting)
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=30, eos_token_id=None)
+    for tree in (None, False):
+        out = speculative_generate(target, drafter, x, max_new_tokens=30, eos_token_id=None, tree=tree)
+        assert torch.equal(out, ref)
+    assert any(2 <= r <= skinny_mod.SKINNY_ROWS for r in rows_seen)  # verify forwards went through it
+    assert not any("forward" in m.__dict__ for m in target.modules())  # and it was undone
+    rows_seen.clear()
+    speculative_generate(target, drafter, x, max_new_tokens=30, eos_token_id=None, skinny=False)
+    assert rows_seen == []
