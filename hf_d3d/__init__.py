@@ -5,6 +5,7 @@ from hf_d3d.exact import exact_verification
 from hf_d3d.modeling.configuration_d3d import D3DConfig
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, D3DStats
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.skinny import skinny_linears
 from hf_d3d.speculative import d3d_generate, speculative_generate
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "speculative_generate",
     "d3d_generate",
     "exact_verification",
+    "skinny_linears",
 ]
 __version__ = "0.1.0"

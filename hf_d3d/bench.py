@@ -6,6 +6,7 @@ per-prompt ratio to plain ``generate`` measured in the same run. tau counts comm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -19,17 +20,23 @@ from transformers import PreTrainedModel
 
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.exact import exact_verification
+from hf_d3d.skinny import skinny_by_default, skinny_linears
 from hf_d3d.speculative import speculative_generate
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
 ALL_METHODS = ("plain", "assisted_ar", "prompt_lookup", "d3d_sync", "d3d_async", "d3d_fast")
 
 
-def _runner(method: str, target, drafter, ar_drafter, max_new: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _runner(
+    method: str, target, drafter, ar_drafter, max_new: int, skinny: bool = False
+) -> Callable[[torch.Tensor], torch.Tensor]:
     common = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=target.generation_config.pad_token_id)
 
     def gen(x, **kw):
-        return target.generate(x, attention_mask=torch.ones_like(x), **common, **kw)
+        # every speculative peer gets the fast loop's few-row linears; plain generate has no few-row forwards
+        models = [target] + ([kw["assistant_model"]] if "assistant_model" in kw else [])
+        with skinny_linears(*models) if skinny and method != "plain" else contextlib.nullcontext():
+            return target.generate(x, attention_mask=torch.ones_like(x), **common, **kw)
 
     if method == "plain":
         return gen
@@ -48,7 +55,7 @@ def _runner(method: str, target, drafter, ar_drafter, max_new: int) -> Callable[
 
         return run
     if method == "d3d_fast":
-        return lambda x: speculative_generate(target, drafter, x, max_new_tokens=max_new)
+        return lambda x: speculative_generate(target, drafter, x, max_new_tokens=max_new, skinny=skinny)
     raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
 
 
@@ -70,11 +77,16 @@ def run_bench(
     ar_drafter: PreTrainedModel | None = None,
     warmup: int = 1,
     exact: bool = False,
+    skinny: bool | None = None,
 ) -> dict:
     """Run ``methods`` on every prompt; returns the result dict (per-method metrics and per-prompt records).
 
-    With ``exact``, every method but ``plain`` runs under :func:`hf_d3d.exact_verification`.
+    With ``exact``, every method but ``plain`` runs under :func:`hf_d3d.exact_verification`. ``skinny`` (default:
+    as the fast loop decides for ``target``): every method but ``plain`` computes its few-row linears as
+    :func:`hf_d3d.skinny_linears` does, the peers in transformers' loops included, so that only drafting differs.
     """
+    if skinny is None:
+        skinny = skinny_by_default(target) and not exact
     if "plain" not in methods:
         methods = ["plain", *methods]
     if "assisted_ar" in methods and ar_drafter is None:
@@ -83,9 +95,11 @@ def run_bench(
         raise ValueError("d3d methods need a D3D drafter")
     runners = {}
     for m in methods:
-        run = _runner(m, target, drafter, ar_drafter, max_new_tokens)
+        run = _runner(m, target, drafter, ar_drafter, max_new_tokens, skinny)
         runners[m] = (_exact(run, target) if exact and m != "plain" else run, drafter if m.startswith("d3d") else None)
-    return run_methods(target, runners, prompts_ids, max_new_tokens, warmup)
+    result = run_methods(target, runners, prompts_ids, max_new_tokens, warmup)
+    result["skinny"] = skinny
+    return result
 
 
 @torch.no_grad()

@@ -62,7 +62,7 @@ def measure_round_cost(
     sizes = list(range(1, block + 2))
     verify: dict[int, list[float]] = {m: [] for m in sizes}
     skinny = skinny_by_default(target) if skinny is None else skinny
-    with skinny_linears(target) if skinny else contextlib.nullcontext():
+    with skinny_linears(target, drafter) if skinny else contextlib.nullcontext():
         for rep in range(repeats + 1):  # the first pass is a warm-up
             for m in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:
                 keep = {"logits_to_keep": m} if trims else {}
@@ -70,15 +70,15 @@ def measure_round_cost(
                 cache.crop(-m)
                 if rep:
                     verify[m].append(seconds)
-    gen = D3DCandidateGenerator(drafter, async_drafting=False)
-    gen.round_cost = None  # time the full block
-    gen.get_candidates(context)
-    drafts = []
-    for rep in range(repeats + 1):
-        gen.cache.crop(-new_per_round)  # as if the last round committed this many tokens
-        seconds = timed(lambda: gen.get_candidates(context))
-        if rep:
-            drafts.append(seconds)
+        gen = D3DCandidateGenerator(drafter, async_drafting=False)
+        gen.round_cost = None  # time the full block
+        gen.get_candidates(context)
+        drafts = []
+        for rep in range(repeats + 1):
+            gen.cache.crop(-new_per_round)  # as if the last round committed this many tokens
+            seconds = timed(lambda: gen.get_candidates(context))
+            if rep:
+                drafts.append(seconds)
     step = statistics.median(verify[1])
     draft = statistics.median(drafts)
     return [round((draft + statistics.median(verify[k + 1])) / step, 3) for k in range(1, block + 1)]

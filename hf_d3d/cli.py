@@ -173,7 +173,16 @@ def _cmd_bench(args: argparse.Namespace) -> None:
                 "--exact: on this machine and dtype a verify forward does not give each row a decode step's bits "
                 "(hf_d3d.exact.rows_match_decode), so exact verification cannot hold here"
             )
-    result = run_bench(target, drafter, ids, methods, args.max_new_tokens, ar_drafter=ar, exact=args.exact)
+    result = run_bench(
+        target,
+        drafter,
+        ids,
+        methods,
+        args.max_new_tokens,
+        ar_drafter=ar,
+        exact=args.exact,
+        skinny=False if args.no_skinny else None,
+    )
     result["command"] = (
         "hf-d3d bench"
         + (f" --drafter {_shown(args.drafter)}" if args.drafter else "")
@@ -183,6 +192,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         + (f" --field {args.field}" if args.field != "question" else "")
         + f" --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
         + f" --methods {','.join(methods)} --out {args.out}"
+        + (" --no-skinny" if args.no_skinny else "")
         + (f" --drafter-dtype {args.drafter_dtype}" if args.drafter_dtype != "auto" else "")
         + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
         + (" --exact" if args.exact else "")
@@ -493,6 +503,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--exact",
         action="store_true",
         help="run every method but plain under hf_d3d.exact_verification (bit-exact verification in bf16/fp16)",
+    )
+    p.add_argument(
+        "--no-skinny",
+        action="store_true",
+        help="keep F.linear for few-row forwards (default on fp32 CPU targets: every method but plain computes "
+        "them as hf_d3d.skinny_linears does)",
     )
     p.add_argument("--prompts", default="gsm8k:test")
     p.add_argument("--field", default="question")

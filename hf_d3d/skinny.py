@@ -48,15 +48,17 @@ def skinny_by_default(model: nn.Module) -> bool:
 
 
 @contextmanager
-def skinny_linears(model: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[int]:
-    """Within the block, ``model``'s plain fp32 CPU ``nn.Linear`` modules compute 2..``max_rows`` rows as
-    ``(W @ x.T).T``; yields how many modules that is. Subclasses (quantized linears), other dtypes and devices, and
-    modules whose ``forward`` is already replaced on the instance (accelerate's offload hooks) are left alone."""
+def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[int]:
+    """Within the block, the plain fp32 CPU ``nn.Linear`` modules of ``models`` (a target and its drafter, say)
+    compute 2..``max_rows`` rows as ``(W @ x.T).T``; yields how many modules that is. Subclasses (quantized
+    linears), other dtypes and devices, and modules whose ``forward`` is already replaced on the instance
+    (accelerate's offload hooks) are left alone. Wrap ``target.generate(..., assistant_model=...)`` in it to give
+    transformers' assisted loop the same verify cost as the fast loop."""
     if max_rows < 2:
         raise ValueError(f"max_rows must be >= 2, got {max_rows}")
     patched = []
     try:
-        for module in model.modules():
+        for module in (m for model in models for m in model.modules()):
             if (
                 type(module) is nn.Linear
                 and "forward" not in module.__dict__

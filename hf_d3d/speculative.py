@@ -115,8 +115,8 @@ def speculative_generate(
     ``cache_implementation="static"`` preallocates the target's KV cache for the whole decode (a fixed-shape
     cache, as torch.compile and CUDA graphs want); rejected positions are then overwritten rather than freed.
     ``tree``: verify draft trees (greedy; the default where the target supports them and drafting is in sync) or
-    chains (False). ``skinny``: compute the target's few-row verify linears as :func:`hf_d3d.skinny.skinny_linears`
-    does (default: fp32 targets on CPU, unless verification is exact).
+    chains (False). ``skinny``: compute few-row linears (the target's verify forwards, the drafter's blocks) as
+    :func:`hf_d3d.skinny_linears` does (default: fp32 targets on CPU, unless verification is exact).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
@@ -159,7 +159,7 @@ def speculative_generate(
     trims_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
     if skinny is None:
         skinny = skinny_by_default(target)
-    with skinny_linears(target) if skinny else contextlib.nullcontext():
+    with skinny_linears(target, drafter) if skinny else contextlib.nullcontext():
         while seq.shape[1] < limit:
             # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
             budget = 0 if exact and cached == 0 else min(per_round, limit - seq.shape[1] - 1)

@@ -54,11 +54,29 @@ def test_bench_exact_runs_every_method_but_plain_under_exact_verification(monkey
     assert all(r["acceptance_lengths"][0] == 0 for r in result["records"]["d3d_sync"])
 
 
+def test_bench_gives_every_method_but_plain_the_skinny_linears():
+    target = tiny_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    patched = []  # per target LM head call: was its forward the skinny one?
+    target.lm_head.register_forward_pre_hook(lambda module, args: patched.append("forward" in module.__dict__))
+    prompts = [[5, 6, 7], [8, 9]]
+    assert bench.run_bench(target, drafter, prompts, ["plain"], max_new_tokens=6)["skinny"]  # fp32 on CPU: on
+    assert patched and not any(patched)  # plain generate runs as it is
+    patched.clear()
+    result = bench.run_bench(target, drafter, prompts, ["plain", "prompt_lookup", "d3d_sync"], max_new_tokens=6)
+    assert any(patched) and result["all_identical"]
+    patched.clear()
+    result = bench.run_bench(
+        target, drafter, prompts, ["plain", "d3d_sync", "d3d_fast"], max_new_tokens=6, skinny=False
+    )
+    assert not any(patched) and not result["skinny"]
+
+
 def test_bench_flags_a_non_identical_method(monkeypatch):
     target = tiny_target("qwen3")
     drafter = make_drafter(target, block_size=4)
 
-    def wrong(target, drafter, x, max_new_tokens):
+    def wrong(target, drafter, x, max_new_tokens, **kw):
         out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
         out[0, -1] = (out[0, -1] + 1) % 96
         return out
