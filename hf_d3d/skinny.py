@@ -4,10 +4,11 @@ A verify forward over k + 1 rows reads the same weights as a decode step, and on
 cost. But fp32 ``F.linear`` (``x @ W.T``) over 2-16 rows leaves the matrix-vector kernel of one row for a GEMM
 that, on the 2 AVX2 cores this was measured on, costs about twice as much: a whole SmolLM2-135M forward over 2-9
 rows took 1.7-2.1 decode steps. The same product computed as ``(W @ x.T).T`` (the few rows as the GEMM's
-columns) stays near one weight read up to about 5 rows. So within the fast loop, plain fp32 ``nn.Linear`` modules
-of the target on CPU compute 2..``max_rows`` rows that way; one row (plain decoding) and longer inputs
-(prefills) are untouched. The values are the same product, rounded differently: as with any batched verify forward,
-not bit-identical to a decode step (:mod:`hf_d3d.exact` is the bitwise mode and turns this off).
+columns) stays near one weight read up to about 5 rows, and below ``F.linear`` up to 16. So within the fast loop,
+plain fp32 ``nn.Linear`` modules of the target and drafter on CPU compute 2..``max_rows`` rows that way; one row
+(plain decoding) and longer inputs (prefills) are untouched. The values are the same product, rounded
+differently: as with any batched verify forward, not bit-identical to a decode step (:mod:`hf_d3d.exact` is the
+bitwise mode and turns this off).
 """
 
 from __future__ import annotations
