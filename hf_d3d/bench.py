@@ -33,7 +33,7 @@ def _runner(
     common = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=target.generation_config.pad_token_id)
 
     def gen(x, **kw):
-        # every speculative peer gets the fast loop's few-row linears; plain generate has no few-row forwards
+        # every speculative peer gets the fast loop's few-row linears; plain generate runs as users run it
         models = [target] + ([kw["assistant_model"]] if "assistant_model" in kw else [])
         with skinny_linears(*models) if skinny and method != "plain" else contextlib.nullcontext():
             return target.generate(x, attention_mask=torch.ones_like(x), **common, **kw)
