@@ -87,6 +87,8 @@ def run_bench(
     """
     if skinny is None:
         skinny = skinny_by_default(target) and not exact
+    if skinny and exact:
+        raise ValueError("skinny linears compute rows unlike a decode step; exact verification needs skinny=False")
     if "plain" not in methods:
         methods = ["plain", *methods]
     if "assisted_ar" in methods and ar_drafter is None:

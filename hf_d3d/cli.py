@@ -365,14 +365,19 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.exact import exact_verification
     from hf_d3d.modeling.generation_d3d import cpu_kind, round_cost_key
+    from hf_d3d.skinny import skinny_by_default
     from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
 
     target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     drafter = load_drafter(args.drafter, device=target.device)
     check_pair(target, drafter)
+    skinny = skinny_by_default(target) and not args.exact and not args.no_skinny
     with exact_verification(target) if args.exact else contextlib.nullcontext():
-        costs = measure_round_cost(target, drafter, context_length=args.context_length, repeats=args.repeats)
-    key = round_cost_key(target.device.type, target.dtype, cpu_kind() if target.device.type == "cpu" else None)
+        costs = measure_round_cost(
+            target, drafter, context_length=args.context_length, repeats=args.repeats, skinny=skinny
+        )
+    machine = cpu_kind() if target.device.type == "cpu" else None
+    key = round_cost_key(target.device.type, target.dtype, machine, skinny)
     print(f"round cost for {key}, in target decode steps, for k = 1..{len(costs)} draft tokens:")
     print("  " + "  ".join(f"{k}: {c:.2f}" for k, c in enumerate(costs, 1)))
     if args.write:
@@ -592,6 +597,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time verification as hf_d3d.exact_verification runs it (the costs are kept under the same key, so "
         "calibrate the way you decode)",
+    )
+    p.add_argument(
+        "--no-skinny",
+        action="store_true",
+        help="time F.linear's few-row forwards, as transformers' assisted loop runs them outside "
+        "hf_d3d.skinny_linears (default on fp32 CPU targets: with the few-row linears, kept under a '+skinny' key)",
     )
     p.add_argument("--context-length", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)

@@ -99,11 +99,13 @@ def _draft_tokens(checkpoint: Path, config: dict) -> int:
 
 
 def _cost_where(key: str) -> str:
-    """``cpu`` -> ``cpu, fp32 target``; ``cpu-avx2:bfloat16`` -> ``cpu (AVX2), bfloat16 target`` (keys of
-    ``round_cost_key``)."""
+    """``cpu`` -> ``cpu, fp32 target``; ``cpu-avx2+skinny:bfloat16`` -> ``cpu (AVX2), bfloat16 target, few-row
+    linears`` (keys of ``round_cost_key``)."""
     device, _, dtype = key.partition(":")
+    device, skinny, _ = device.partition("+skinny")
     device, _, machine = device.partition("-")
-    return f"{device}{f' ({machine.upper()})' if machine else ''}, {dtype or 'fp32'} target"
+    where = f"{device}{f' ({machine.upper()})' if machine else ''}, {dtype or 'fp32'} target"
+    return where + (", few-row linears" if skinny else "")
 
 
 def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:

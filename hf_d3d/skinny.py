@@ -5,10 +5,10 @@ cost. But fp32 ``F.linear`` (``x @ W.T``) over 2-16 rows leaves the matrix-vecto
 that, on the 2 AVX2 cores this was measured on, costs about twice as much: a whole SmolLM2-135M forward over 2-9
 rows took 1.7-2.1 decode steps. The same product computed as ``(W @ x.T).T`` (the few rows as the GEMM's
 columns) stays near one weight read up to about 5 rows, and below ``F.linear`` up to 16. So within the fast loop,
-plain fp32 ``nn.Linear`` modules of the target and drafter on CPU compute 2..``max_rows`` rows that way; one row
-(plain decoding) and longer inputs (prefills) are untouched. The values are the same product, rounded
-differently: as with any batched verify forward, not bit-identical to a decode step (:mod:`hf_d3d.exact` is the
-bitwise mode and turns this off).
+plain fp32 ``nn.Linear`` modules of the target and drafter on CPU compute inputs of 2..``max_rows`` rows in all
+(verify forwards; also short prefills and small-batch decode steps inside the block) that way; one row (a decode
+step) and longer inputs are untouched. The values are the same product, rounded differently: as with any batched
+verify forward, not bit-identical to a decode step (:mod:`hf_d3d.exact` is the bitwise mode and refuses this).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int) -> torch.
         return F.linear(x, module.weight, module.bias)
     out = (module.weight @ x.reshape(rows, -1).T).T.contiguous()  # row-major again: sdpa's fast kernels need it
     if module.bias is not None:
-        out = out + module.bias
+        out = out + module.bias.to(out.dtype)  # autocast may have computed the product in a lower precision
     return out.reshape(*x.shape[:-1], module.weight.shape[0])
 
 
@@ -53,12 +53,16 @@ def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[
     """Within the block, the plain fp32 CPU ``nn.Linear`` modules of ``models`` (a target and its drafter, say)
     compute 2..``max_rows`` rows as ``(W @ x.T).T``; yields how many modules that is. Subclasses (quantized
     linears), other dtypes and devices, and modules whose ``forward`` is already replaced on the instance
-    (accelerate's offload hooks) are left alone. Wrap ``target.generate(..., assistant_model=...)`` in it to give
-    transformers' assisted loop the same verify cost as the fast loop."""
+    (accelerate's offload hooks) are left alone. Each model is marked ``d3d_skinny_linears = True`` meanwhile, so a
+    D3D drafter picks the round costs calibrated this way. Wrap ``target.generate(..., assistant_model=drafter)``
+    in ``skinny_linears(target, drafter)`` to give transformers' assisted loop the fast loop's verify costs."""
     if max_rows < 2:
         raise ValueError(f"max_rows must be >= 2, got {max_rows}")
-    patched = []
+    patched: list[tuple[nn.Linear, functools.partial]] = []
+    marked = [m for m in dict.fromkeys(models) if not getattr(m, "d3d_skinny_linears", False)]
     try:
+        for model in marked:
+            model.d3d_skinny_linears = True
         for module in (m for model in models for m in model.modules()):
             if (
                 type(module) is nn.Linear
@@ -67,8 +71,11 @@ def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[
                 and module.weight.dtype == torch.float32
             ):
                 module.forward = functools.partial(_skinny_forward, module, max_rows=max_rows)
-                patched.append(module)
+                patched.append((module, module.forward))
         yield len(patched)
     finally:
-        for module in patched:
-            del module.forward
+        for module, ours in patched:
+            if module.__dict__.get("forward") is ours:  # never drop a forward someone else installed meanwhile
+                del module.forward
+        for model in marked:
+            del model.d3d_skinny_linears

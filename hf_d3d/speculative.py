@@ -143,8 +143,12 @@ def speculative_generate(
     cached = 0
     if tree and async_drafting is None:  # asked for a tree: draft in sync, even where async is the default (CUDA)
         async_drafting = False
+    if skinny is None:
+        skinny = skinny_by_default(target)
+    if skinny and exact:
+        raise ValueError("skinny=True computes rows unlike a decode step; exact verification needs skinny=False")
     gen = D3DCandidateGenerator(
-        drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype
+        drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype, skinny=skinny
     )
     why_not = tree_unsupported(target, cache, do_sample)
     if why_not is None and gen.async_drafting:
@@ -157,8 +161,6 @@ def speculative_generate(
     per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
     # Only the k + 1 verified positions need the LM head; at prefill that skips the whole prompt's rows.
     trims_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
-    if skinny is None:
-        skinny = skinny_by_default(target)
     with skinny_linears(target, drafter) if skinny else contextlib.nullcontext():
         while seq.shape[1] < limit:
             # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing

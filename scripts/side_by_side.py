@@ -4,9 +4,8 @@ Usage: python scripts/side_by_side.py SPEC [SPEC ...] [--num-prompts N] [--out R
 folder, then optionally ``@K`` to draft up to K tokens per round (default: its shipped ``num_assistant_tokens``),
 then any of ``+static`` (a preallocated target cache), ``+fixed`` (K tokens every round, ignoring the measured
 round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype), ``+chain`` (one chain per round instead
-of a draft tree) and ``+noskinny`` (the target's verify linears as ``F.linear`` computes them; see
-``hf_d3d.skinny``): ``PATH@4+fixed+fp32``. GSM8K test
-prompts, timed by
+of a draft tree) and ``+noskinny`` (the target's and drafter's few-row linears as ``F.linear`` computes them,
+and the round costs calibrated that way; see ``hf_d3d.skinny``): ``PATH@4+fixed+fp32``. GSM8K test prompts, timed by
 ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
 greedy.
 """

@@ -54,22 +54,31 @@ def test_bench_exact_runs_every_method_but_plain_under_exact_verification(monkey
     assert all(r["acceptance_lengths"][0] == 0 for r in result["records"]["d3d_sync"])
 
 
-def test_bench_gives_every_method_but_plain_the_skinny_linears():
+def test_bench_gives_every_method_but_plain_the_skinny_linears(monkeypatch):
     target = tiny_target("llama")
     drafter = make_drafter(target, block_size=4)
-    patched = []  # per target LM head call: was its forward the skinny one?
-    target.lm_head.register_forward_pre_hook(lambda module, args: patched.append("forward" in module.__dict__))
-    prompts = [[5, 6, 7], [8, 9]]
-    assert bench.run_bench(target, drafter, prompts, ["plain"], max_new_tokens=6)["skinny"]  # fp32 on CPU: on
-    assert patched and not any(patched)  # plain generate runs as it is
-    patched.clear()
-    result = bench.run_bench(target, drafter, prompts, ["plain", "prompt_lookup", "d3d_sync"], max_new_tokens=6)
-    assert any(patched) and result["all_identical"]
-    patched.clear()
-    result = bench.run_bench(
-        target, drafter, prompts, ["plain", "d3d_sync", "d3d_fast"], max_new_tokens=6, skinny=False
-    )
-    assert not any(patched) and not result["skinny"]
+    ar = tiny_target("llama", seed=1)  # an autoregressive assistant with the same vocabulary
+    now, seen = {}, []  # seen: (method, model, was its LM head's forward the skinny one) per LM head call
+    real_runner = bench._runner
+
+    def tagged_runner(method, *args):
+        run = real_runner(method, *args)
+        return lambda x: (now.update(method=method), run(x))[1]
+
+    monkeypatch.setattr(bench, "_runner", tagged_runner)
+    for name, model in (("target", target), ("drafter", drafter), ("ar", ar)):
+        model.lm_head.register_forward_pre_hook(
+            lambda module, args, name=name: seen.append((now["method"], name, "forward" in module.__dict__))
+        )
+    methods = ["plain", "assisted_ar", "prompt_lookup", "d3d_sync", "d3d_fast"]
+    result = bench.run_bench(target, drafter, [[5, 6, 7], [8, 9]], methods, max_new_tokens=6, ar_drafter=ar)
+    assert result["skinny"] and result["all_identical"]  # fp32 on CPU: on by default
+    assert {(m, who) for m, who, _ in seen} >= {("plain", "target"), ("assisted_ar", "ar"), ("d3d_sync", "drafter")}
+    for method, who, patched in seen:
+        assert patched == (method != "plain"), (method, who)  # plain as users run it; every peer patched
+    seen.clear()
+    result = bench.run_bench(target, drafter, [[5, 6]], ["d3d_sync", "d3d_fast"], max_new_tokens=6, skinny=False)
+    assert seen and not any(patched for *_, patched in seen) and not result["skinny"]
 
 
 def test_bench_flags_a_non_identical_method(monkeypatch):

@@ -132,6 +132,33 @@ def test_sampled_draft_length_depends_on_the_distributions_only():
     assert len(drafts) > 20
 
 
+def test_costs_measured_with_few_row_linears_go_with_them(oracle):
+    from hf_d3d import skinny_linears
+
+    target = TARGETS["llama"]
+    oracle.target, oracle.noise = target, 0.0  # every draft right: only the costs decide the draft length
+    drafter = make_drafter(target, block_size=4)
+    costs = {"cpu": [1.0, 50.0, 50.0, 50.0], round_cost_key("cpu", skinny=True): [1.0, 1.0, 1.0, 1.0]}
+    drafter.config.round_cost = costs
+    try:
+        assert D3DCandidateGenerator(drafter).round_cost == costs["cpu"]
+        assert D3DCandidateGenerator(drafter, skinny=True).round_cost == [1.0] * 4
+        with skinny_linears(target, drafter):  # marks the drafter: transformers' assisted loop picks them too
+            assert drafter.d3d_skinny_linears and D3DCandidateGenerator(drafter).round_cost == [1.0] * 4
+        assert not hasattr(drafter, "d3d_skinny_linears")
+        x = torch.tensor([[5, 6, 7]])
+        drafted = {}
+        for skinny in (None, False):  # None: on, as for any fp32 CPU target
+            speculative_generate(target, drafter, x, max_new_tokens=20, eos_token_id=None, tree=False, skinny=skinny)
+            stats = drafter.last_stats
+            drafted[skinny] = stats.drafted_tokens / stats.rounds
+        assert drafted[False] == 1.0 and drafted[None] > 2.0
+        del costs[round_cost_key("cpu", skinny=True)]  # none measured that way: the plain ones
+        assert D3DCandidateGenerator(drafter, skinny=True).round_cost == costs["cpu"]
+    finally:
+        drafter.config.round_cost = None
+
+
 def test_round_cost_is_validated_and_chosen_by_device():
     with pytest.raises(ValueError, match="round_cost"):
         D3DConfig(round_cost={"cpu": []})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,30 @@ def test_scoped_and_restored_even_on_error():
         pass
 
 
+def test_marks_the_models_and_undoes_only_its_own_forwards():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    theirs = functools.partial(F.linear, weight=model[1].weight)  # say accelerate hooks it inside the block
+    with skinny_linears(model, model) as n:  # a module listed twice is patched once
+        assert n == 2 and model.d3d_skinny_linears
+        model[1].forward = theirs
+        with skinny_linears(model) as inner:  # nested: nothing left to patch, and the mark stays the outer one's
+            assert inner == 0
+        assert model.d3d_skinny_linears
+    assert not hasattr(model, "d3d_skinny_linears")
+    assert "forward" not in model[0].__dict__ and model[1].forward is theirs
+
+
+def test_bias_keeps_the_dtype_autocast_chose():
+    lin = nn.Linear(8, 3)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = lin(x)
+        with skinny_linears(lin):
+            out = lin(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, atol=0.05, rtol=0.02)
+
+
 def test_leaves_other_linears_alone():
     hooked = nn.Linear(4, 4)
     hook = hooked.forward  # an instance forward, as accelerate's offload hooks install
@@ -59,6 +85,8 @@ def test_default_is_fp32_cpu_without_exact_verification():
     assert skinny_by_default(target)
     with exact_verification(target):
         assert not skinny_by_default(target)
+        with pytest.raises(ValueError, match="exact verification needs skinny=False"):
+            speculative_generate(target, make_drafter(target), torch.tensor([[5, 6]]), 4, skinny=True)
     assert not skinny_by_default(tiny_target("llama").bfloat16())
 
 

@@ -111,11 +111,18 @@ def draft_length(confidence: list[float], round_cost: list[float]) -> int:
     return best_k
 
 
-def round_cost_key(device_type: str, target_dtype: torch.dtype | str | None = None, machine: str | None = None) -> str:
+def round_cost_key(
+    device_type: str,
+    target_dtype: torch.dtype | str | None = None,
+    machine: str | None = None,
+    skinny: bool = False,
+) -> str:
     """Where calibrated round costs are kept: the device type ("cpu" means an fp32 target), then ``-machine`` if
-    given (a CPU's instruction set, e.g. "cpu-avx2"), then ``:dtype`` for any target dtype but fp32."""
+    given (a CPU's instruction set, e.g. "cpu-avx2"), then ``+skinny`` for costs measured with few-row linears
+    (``hf_d3d.skinny_linears``), then ``:dtype`` for any target dtype but fp32."""
     name = str(target_dtype or "float32").removeprefix("torch.")
     device = f"{device_type}-{machine.lower().replace(' ', '')}" if machine else device_type
+    device += "+skinny" if skinny else ""
     return device if name == "float32" else f"{device}:{name}"
 
 
@@ -125,15 +132,19 @@ def cpu_kind() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-def find_round_cost(costs: dict | None, device_type: str, target_dtype: torch.dtype | str | None = None):
-    """Round costs for this device and target dtype: on a CPU those measured on this kind of CPU, else the plain
-    "cpu" ones; ``None`` when none were measured."""
+def find_round_cost(
+    costs: dict | None, device_type: str, target_dtype: torch.dtype | str | None = None, skinny: bool = False
+):
+    """Round costs for this device and target dtype: on a CPU those measured on this kind of CPU before the plain
+    "cpu" ones, and with ``skinny`` those measured with few-row linears first; ``None`` when none were measured."""
     costs = costs or {}
-    if device_type == "cpu":
-        own = costs.get(round_cost_key(device_type, target_dtype, cpu_kind()))
-        if own is not None:
-            return own
-    return costs.get(round_cost_key(device_type, target_dtype))
+    machines = (cpu_kind(), None) if device_type == "cpu" else (None,)
+    for with_skinny in (True, False) if skinny else (False,):
+        for machine in machines:
+            found = costs.get(round_cost_key(device_type, target_dtype, machine, with_skinny))
+            if found is not None:
+                return found
+    return None
 
 
 class D3DCandidateGenerator(CandidateGenerator):
@@ -162,6 +173,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         async_drafting: bool | None = None,
         num_hypotheses: int | None = None,
         target_dtype: torch.dtype | str | None = None,
+        skinny: bool | None = None,
     ):
         self.drafter = drafter
         config = drafter.config
@@ -183,7 +195,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.async_drafting = bool(async_drafting)
         # Round costs measured for this device (kind of CPU) and target dtype (hf-d3d calibrate); without them every
         # round drafts in full. An fp32 target is assumed unless told: the assisted loop never shows us the target.
-        self.round_cost = find_round_cost(getattr(config, "round_cost", None), device.type, target_dtype)
+        # Verify forwards cost less with few-row linears: inside hf_d3d.skinny_linears(target, drafter) the drafter
+        # carries a marker (``skinny``, if given, says so instead).
+        if skinny is None:
+            skinny = bool(getattr(drafter, "d3d_skinny_linears", False))
+        self.round_cost = find_round_cost(getattr(config, "round_cost", None), device.type, target_dtype, skinny)
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None

@@ -23,7 +23,8 @@ class D3DConfig(PreTrainedConfig):
             target the full head is most of a draft's cost. Verification still uses the target's full vocabulary.
         round_cost: per device type and target dtype (``"cpu"`` and ``"cuda"`` for an fp32 target,
             ``"cpu:bfloat16"`` for a bf16 one; ``"cpu-avx2"`` for CPUs of that kind only, which then come before
-            ``"cpu"``), the measured cost of a round that proposes k = 1, 2, ...
+            ``"cpu"``; ``"cpu-avx2+skinny"`` measured with few-row linears, used inside ``hf_d3d.skinny_linears``
+            and the fast loop's default), the measured cost of a round that proposes k = 1, 2, ...
             tokens (one draft plus one target forward over k + 1 tokens), in target decode steps. Where set, each
             round proposes the number of tokens (up to ``num_assistant_tokens``) with the most expected committed
             tokens per unit of cost; elsewhere every round proposes ``num_assistant_tokens``. ``hf-d3d calibrate``
