@@ -179,9 +179,8 @@ def speculative_generate(
                 if tok in eos:
                     new, stop = new[: i + 1], True
                     break
-            if (
-                stopping_criteria is not None
-            ):  # e.g. stop strings: checked after every committed token, as generate does
+            # e.g. stop strings: checked after every committed token, as generate does
+            if stopping_criteria is not None:
                 for i in range(len(new)):
                     grown = torch.cat([seq, torch.tensor([new[: i + 1]], device=device)], dim=1)
                     if bool(stopping_criteria(grown, None).any()):
