@@ -2,6 +2,7 @@
 
 from hf_d3d.checks import check_pair, tokenizer_fingerprint
 from hf_d3d.exact import exact_verification
+from hf_d3d.fp16_weights import fp16_weights
 from hf_d3d.modeling.configuration_d3d import D3DConfig
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, D3DStats
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
@@ -19,5 +20,6 @@ __all__ = [
     "d3d_generate",
     "exact_verification",
     "skinny_linears",
+    "fp16_weights",
 ]
 __version__ = "0.1.0"

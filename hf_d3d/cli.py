@@ -135,6 +135,7 @@ def _shown(path: str) -> str:
 def _cmd_bench(args: argparse.Namespace) -> None:
     from hf_d3d.bench import ALL_METHODS, run_bench, write_outputs
     from hf_d3d.checks import check_pair
+    from hf_d3d.fp16_weights import fp16_weights, fp16_weights_supported
     from hf_d3d.prompts import load_prompts
     from hf_d3d.targets import load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids
@@ -156,14 +157,19 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
     drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"))
     check_pair(target, drafter, tokenizer)
+    fp16w = fp16_weights_supported(drafter) and not args.no_fp16_weights
     ar = None
     if "assisted_ar" in methods:
         if not args.ar_drafter:
             raise ValueError("assisted_ar needs --ar-drafter (an autoregressive drafter trained on the same data)")
         from transformers import AutoModelForCausalLM
 
-        # the peer gets the D3D drafter's compute type: only the drafting method differs
+        # the peer gets the D3D drafter's compute type and weight storage: only the drafting method differs
         ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=drafter.dtype).to(target.device).eval()
+        if fp16w:
+            fp16_weights(ar)
+    if fp16w:
+        fp16_weights(drafter)
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     if args.exact:
         from hf_d3d.exact import rows_match_decode
@@ -193,11 +199,13 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         + f" --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}"
         + f" --methods {','.join(methods)} --out {args.out}"
         + (" --no-skinny" if args.no_skinny else "")
+        + (" --no-fp16-weights" if args.no_fp16_weights else "")
         + (f" --drafter-dtype {args.drafter_dtype}" if args.drafter_dtype != "auto" else "")
         + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
         + (" --exact" if args.exact else "")
     )
     result["drafter_dtype"] = str(drafter.dtype).removeprefix("torch.")
+    result["drafter_fp16_weights"] = fp16w
     result["target_dtype"], result["exact"] = args.dtype, args.exact
     result["prompts"] = args.prompts
     paths = write_outputs(result, args.out)
@@ -239,7 +247,7 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
     print(f"loading target {args.target or 'HuggingFaceTB/SmolLM2-135M-Instruct (embedded)'} ...", flush=True)
     target, tokenizer = load_target(args.target)
-    drafter = load_drafter(args.drafter)
+    drafter = load_drafter(args.drafter, fp16_weights=True)
     check_pair(target, drafter, tokenizer)
     print(f"prompt: {args.prompt}\n--- D3D answer (streamed) ---", flush=True)
     result = run_demo(target, drafter, tokenizer, args.prompt, args.max_new_tokens)
@@ -364,6 +372,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     from hf_d3d.calibrate import measure_round_cost, write_round_cost
     from hf_d3d.checks import check_pair
     from hf_d3d.exact import exact_verification
+    from hf_d3d.fp16_weights import fp16_weights, fp16_weights_supported
     from hf_d3d.modeling.generation_d3d import cpu_kind, round_cost_key
     from hf_d3d.skinny import skinny_by_default
     from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
@@ -372,12 +381,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     drafter = load_drafter(args.drafter, device=target.device)
     check_pair(target, drafter)
     skinny = skinny_by_default(target) and not args.exact and not args.no_skinny
+    fp16w = fp16_weights_supported(drafter) and not args.no_fp16_weights
+    if fp16w:
+        fp16_weights(drafter)
     with exact_verification(target) if args.exact else contextlib.nullcontext():
         costs = measure_round_cost(
             target, drafter, context_length=args.context_length, repeats=args.repeats, skinny=skinny
         )
     machine = cpu_kind() if target.device.type == "cpu" else None
-    key = round_cost_key(target.device.type, target.dtype, machine, skinny)
+    key = round_cost_key(target.device.type, target.dtype, machine, skinny, fp16w)
     print(f"round cost for {key}, in target decode steps, for k = 1..{len(costs)} draft tokens:")
     print("  " + "  ".join(f"{k}: {c:.2f}" for k, c in enumerate(costs, 1)))
     if args.write:
@@ -515,6 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep F.linear for few-row forwards (default on fp32 CPU targets: every method but plain computes "
         "them as hf_d3d.skinny_linears does)",
     )
+    p.add_argument(
+        "--no-fp16-weights",
+        action="store_true",
+        help="keep both drafters' linear weights in fp32 (default for fp32 drafters on x86 CPUs: stored in fp16 "
+        "and multiplied in fp32, hf_d3d.fp16_weights)",
+    )
     p.add_argument("--prompts", default="gsm8k:test")
     p.add_argument("--field", default="question")
     p.add_argument("--num-prompts", type=int, default=20)
@@ -603,6 +621,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time F.linear's few-row forwards, as transformers' assisted loop runs them outside "
         "hf_d3d.skinny_linears (default on fp32 CPU targets: with the few-row linears, kept under a '+skinny' key)",
+    )
+    p.add_argument(
+        "--no-fp16-weights",
+        action="store_true",
+        help="time the drafter with fp32 weights (default for fp32 drafters on x86 CPUs: fp16-stored weights, "
+        "hf_d3d.fp16_weights, kept under a '+fp16w' key)",
     )
     p.add_argument("--context-length", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)

@@ -99,13 +99,14 @@ def _draft_tokens(checkpoint: Path, config: dict) -> int:
 
 
 def _cost_where(key: str) -> str:
-    """``cpu`` -> ``cpu, fp32 target``; ``cpu-avx2+skinny:bfloat16`` -> ``cpu (AVX2), bfloat16 target, few-row
-    linears`` (keys of ``round_cost_key``)."""
+    """``cpu`` -> ``cpu, fp32 target``; ``cpu-avx2+skinny+fp16w:bfloat16`` -> ``cpu (AVX2), bfloat16 target,
+    few-row linears, fp16 drafter weights`` (keys of ``round_cost_key``)."""
     device, _, dtype = key.partition(":")
-    device, skinny, _ = device.partition("+skinny")
+    device, *flags = device.split("+")
     device, _, machine = device.partition("-")
     where = f"{device}{f' ({machine.upper()})' if machine else ''}, {dtype or 'fp32'} target"
-    return where + (", few-row linears" if skinny else "")
+    named = {"skinny": "few-row linears", "fp16w": "fp16 drafter weights"}
+    return ", ".join([where] + [named.get(f, f) for f in flags])
 
 
 def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:

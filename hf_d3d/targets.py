@@ -15,6 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_d3d.atomic import atomic_folder
+from hf_d3d.fp16_weights import fp16_weights as pack_fp16
+from hf_d3d.fp16_weights import fp16_weights_supported
 
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "checkpoints" / "SmolLM2-135M-Instruct-D3D")
@@ -99,8 +101,12 @@ def load_drafter(
     name_or_path: str | None = None,
     dtype: torch.dtype | str = "auto",
     device: str | torch.device | None = None,
+    fp16_weights: bool = False,
 ) -> PreTrainedModel:
     """Load a D3D drafter (local folder or Hub id); ``None`` means the committed SmolLM2 drafter.
+
+    ``fp16_weights``: keep its linear weights in fp16 where :func:`hf_d3d.fp16_weights` applies (an fp32 drafter
+    on an x86 CPU; elsewhere it is loaded as it is), for inference only.
 
     ``"auto"`` keeps the stored dtype (bf16 for our checkpoints), as ``from_pretrained`` does by default, except on
     a CPU whose kernels have no bf16 support (an AVX2-only CPU), where bf16 matrix multiplies are emulated: there
@@ -122,4 +128,7 @@ def load_drafter(
         ) from err
     if device is not None:
         drafter.to(device)
-    return drafter.eval()
+    drafter.eval()
+    if fp16_weights and fp16_weights_supported(drafter):
+        pack_fp16(drafter)
+    return drafter

@@ -4,8 +4,9 @@ Usage: python scripts/side_by_side.py SPEC [SPEC ...] [--num-prompts N] [--out R
 folder, then optionally ``@K`` to draft up to K tokens per round (default: its shipped ``num_assistant_tokens``),
 then any of ``+static`` (a preallocated target cache), ``+fixed`` (K tokens every round, ignoring the measured
 round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype), ``+chain`` (one chain per round instead
-of a draft tree) and ``+noskinny`` (the target's and drafter's few-row linears as ``F.linear`` computes them,
-and the round costs calibrated that way; see ``hf_d3d.skinny``): ``PATH@4+fixed+fp32``. GSM8K test prompts, timed by
+of a draft tree), ``+fp16w`` (the drafter's linear weights kept in fp16, ``hf_d3d.fp16_weights``) and
+``+noskinny`` (the target's and drafter's few-row linears as ``F.linear`` computes them, and the round costs
+calibrated that way; see ``hf_d3d.skinny``): ``PATH@4+fixed+fp32``. GSM8K test prompts, timed by
 ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
 greedy.
 """
@@ -17,6 +18,7 @@ import torch
 
 from hf_d3d import speculative_generate
 from hf_d3d.bench import markdown_table, run_methods, write_outputs
+from hf_d3d.fp16_weights import fp16_weights
 from hf_d3d.prompts import load_prompts
 from hf_d3d.targets import load_drafter, load_target
 from hf_d3d.train.distill import chat_prompt_ids
@@ -58,15 +60,19 @@ runners = {
 }
 for spec in args.specs:
     spec_path, *flags = spec.split("+")
-    if set(flags) - {"static", "fixed", "fp32", "chain", "noskinny"}:
-        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain, +noskinny")
+    if set(flags) - {"static", "fixed", "fp32", "chain", "noskinny", "fp16w"}:
+        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain, +noskinny, +fp16w")
     path, _, k = spec_path.partition("@")
-    dtype = torch.float32 if "fp32" in flags else "auto"
-    if (path, dtype) not in loaded:
+    dtype = torch.float32 if "fp32" in flags or "fp16w" in flags else "auto"
+    fp16w = "fp16w" in flags
+    if (path, dtype, fp16w) not in loaded:
         drafter = load_drafter(path, dtype=dtype)
+        if fp16w:
+            fp16_weights(drafter)
         # as shipped, before any spec changes them
-        loaded[path, dtype] = (drafter, drafter.generation_config.num_assistant_tokens, drafter.config.round_cost)
-    drafter, shipped, round_cost = loaded[path, dtype]
+        shipped = drafter.generation_config.num_assistant_tokens
+        loaded[path, dtype, fp16w] = (drafter, shipped, drafter.config.round_cost)
+    drafter, shipped, round_cost = loaded[path, dtype, fp16w]
     cache = "static" if "static" in flags else "dynamic"
     costs = None if "fixed" in flags else round_cost
     runners[spec] = (

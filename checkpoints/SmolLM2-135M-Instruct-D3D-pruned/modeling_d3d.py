@@ -7,6 +7,8 @@ The drafter never reads the target's hidden states: it keeps its own KV cache ov
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -176,7 +178,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.draft_vocab_size is not None:
             self.draft_vocab = nn.Buffer(torch.arange(config.draft_vocab_size))  # saved with the weights
-        self._draft_head: tuple[tuple, torch.Tensor] | None = None  # (key of lm_head.weight's state, its rows)
+        self._draft_head: tuple[tuple, Callable] | None = None  # (state of lm_head.weight and the ids, the head)
         self.last_stats = None  # D3DStats of the most recent drafting session (set by the candidate generator)
         self.post_init()
         # Both Auto classes resolve to the drafter in a saved folder (save_pretrained copies these files there).
@@ -249,17 +251,32 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         """
         if self.config.draft_vocab_size is None or (self.training and not draft_only):
             return self.lm_head(hidden)
-        weight, ids = self.lm_head.weight, self.draft_vocab
         if self.training:  # fresh rows, so a trainable head gets its gradient
-            sub = F.linear(hidden, weight.index_select(0, ids))
+            sub = F.linear(hidden, self.lm_head.weight.index_select(0, self.draft_vocab))
         else:
-            # The gathered rows are reused until the head or the ids change (device, dtype or an in-place update;
-            # tensors made under inference_mode have no version counter and cannot be updated in place outside it).
-            key = tuple((t.data_ptr(), t.dtype, -1 if t.is_inference() else t._version) for t in (weight, ids))
-            if self._draft_head is None or self._draft_head[0] != key:
-                self._draft_head = (key, weight.detach().index_select(0, ids))
-            sub = F.linear(hidden, self._draft_head[1])
+            sub = self.draft_head()(hidden)
         return sub if draft_only else self.expand_draft_logits(sub)
+
+    def draft_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The inference head over the draft vocabulary: ``lm_head``'s rows of the draft vocabulary, gathered once
+        and reused until the head or the ids change (device, dtype or an in-place update; tensors made under
+        inference_mode have no version counter and cannot be updated in place outside it)."""
+        key = self._draft_head_key()
+        if self._draft_head is None or self._draft_head[0] != key:
+            rows = self.lm_head.weight.detach().index_select(0, self.draft_vocab)
+            self._draft_head = (key, lambda hidden: F.linear(hidden, rows))
+        return self._draft_head[1]
+
+    def set_draft_head(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Compute the draft-vocabulary logits with ``head`` (the same rows in another layout, e.g. packed fp16
+        weights) until ``lm_head`` or the draft vocabulary changes; then the plain rows are gathered again."""
+        if self.config.draft_vocab_size is None:
+            raise ValueError("set_draft_head needs a draft vocabulary (set_draft_vocab)")
+        self._draft_head = (self._draft_head_key(), head)
+
+    def _draft_head_key(self) -> tuple:
+        tensors = (self.lm_head.weight, self.draft_vocab)
+        return tuple((t.data_ptr(), t.dtype, -1 if t.is_inference() else t._version) for t in tensors)
 
     def expand_draft_logits(self, sub: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (its order) as full-vocabulary logits, ``-inf`` outside it."""

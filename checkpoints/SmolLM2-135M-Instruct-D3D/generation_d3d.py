@@ -116,13 +116,15 @@ def round_cost_key(
     target_dtype: torch.dtype | str | None = None,
     machine: str | None = None,
     skinny: bool = False,
+    fp16_weights: bool = False,
 ) -> str:
     """Where calibrated round costs are kept: the device type ("cpu" means an fp32 target), then ``-machine`` if
     given (a CPU's instruction set, e.g. "cpu-avx2"), then ``+skinny`` for costs measured with few-row linears
-    (``hf_d3d.skinny_linears``), then ``:dtype`` for any target dtype but fp32."""
+    (``hf_d3d.skinny_linears``), ``+fp16w`` for a drafter with fp16-stored weights (``hf_d3d.fp16_weights``),
+    then ``:dtype`` for any target dtype but fp32."""
     name = str(target_dtype or "float32").removeprefix("torch.")
     device = f"{device_type}-{machine.lower().replace(' ', '')}" if machine else device_type
-    device += "+skinny" if skinny else ""
+    device += ("+skinny" if skinny else "") + ("+fp16w" if fp16_weights else "")
     return device if name == "float32" else f"{device}:{name}"
 
 
@@ -133,17 +135,23 @@ def cpu_kind() -> str:
 
 
 def find_round_cost(
-    costs: dict | None, device_type: str, target_dtype: torch.dtype | str | None = None, skinny: bool = False
+    costs: dict | None,
+    device_type: str,
+    target_dtype: torch.dtype | str | None = None,
+    skinny: bool = False,
+    fp16_weights: bool = False,
 ):
-    """Round costs for this device and target dtype: on a CPU those measured on this kind of CPU before the plain
-    "cpu" ones, and with ``skinny`` those measured with few-row linears first; ``None`` when none were measured."""
+    """Round costs for this device and target dtype, the closest match first: with ``skinny`` those measured with
+    few-row linears, then on a CPU those measured on this kind of CPU before the plain "cpu" ones, then with
+    ``fp16_weights`` those of the drafter with fp16-stored weights; ``None`` when none were measured."""
     costs = costs or {}
     machines = (cpu_kind(), None) if device_type == "cpu" else (None,)
     for with_skinny in (True, False) if skinny else (False,):
         for machine in machines:
-            found = costs.get(round_cost_key(device_type, target_dtype, machine, with_skinny))
-            if found is not None:
-                return found
+            for with_fp16 in (True, False) if fp16_weights else (False,):
+                found = costs.get(round_cost_key(device_type, target_dtype, machine, with_skinny, with_fp16))
+                if found is not None:
+                    return found
     return None
 
 
@@ -199,7 +207,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         # carries a marker (``skinny``, if given, says so instead).
         if skinny is None:
             skinny = bool(getattr(drafter, "d3d_skinny_linears", False))
-        self.round_cost = find_round_cost(getattr(config, "round_cost", None), device.type, target_dtype, skinny)
+        # Drafts cost less with fp16-stored weights (hf_d3d.fp16_weights marks the drafter).
+        fp16w = bool(getattr(drafter, "d3d_fp16_weights", False))
+        self.round_cost = find_round_cost(getattr(config, "round_cost", None), device.type, target_dtype, skinny, fp16w)
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None

@@ -20,7 +20,7 @@ from hf_d3d.demo import DEFAULT_PROMPT, MAX_NEW_TOKENS_LIMIT, validate_request
 from hf_d3d.targets import load_drafter, load_target
 
 TARGET, TOKENIZER = load_target(os.environ.get("D3D_TARGET"))
-DRAFTER = load_drafter(os.environ.get("D3D_DRAFTER"))
+DRAFTER = load_drafter(os.environ.get("D3D_DRAFTER"), fp16_weights=True)  # fp16-stored weights on x86 CPUs
 check_pair(TARGET, DRAFTER, TOKENIZER)
 CONTEXT = getattr(TARGET.config, "max_position_embeddings", 1 << 30)
 
