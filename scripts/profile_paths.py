@@ -1,10 +1,11 @@
 """Where the time of a D3D decode goes, through ``target.generate(assistant_model=...)`` and the fast loop.
 
-Usage: python scripts/profile_paths.py [DRAFTER] [--num-prompts N] [--trace OUT.txt]
+Usage: python scripts/profile_paths.py [DRAFTER] [--num-prompts N] [--fp16-weights] [--trace OUT.txt]
 
 Forward hooks time every target and drafter forward (wall clock, so on CPU it is the compute); the rest of each
 call is the loop's own work (Python, cache bookkeeping, logits processing, verification). After a warm-up, each
-path decodes the same GSM8K test prompts (greedy, 128 new tokens) in turn. ``--trace`` adds torch.profiler's
+path decodes the same GSM8K test prompts (greedy, 128 new tokens) in turn. ``--fp16-weights`` keeps the drafter's
+linear weights in fp16 (``hf_d3d.fp16_weights``). ``--trace`` adds torch.profiler's
 table of the most expensive operators of one fast-loop call.
 """
 
@@ -24,10 +25,11 @@ parser.add_argument("drafter", nargs="?", default=None)
 parser.add_argument("--num-prompts", type=int, default=3)
 parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--trace", default=None)
+parser.add_argument("--fp16-weights", action="store_true")
 args = parser.parse_args()
 
 target, tok = load_target()
-drafter = load_drafter(args.drafter)
+drafter = load_drafter(args.drafter, fp16_weights=args.fp16_weights)
 spent: dict[str, float] = defaultdict(float)
 calls: dict[str, int] = defaultdict(int)
 

@@ -95,17 +95,22 @@ def test_calibrate_command_records_round_costs(tmp_path, capsys):
     )
     assert main(["calibrate", "--drafter", str(folder), "--repeats", "2", "--context-length", "64", "--write"]) == 0
     costs = json.loads((folder / "config.json").read_text())["round_cost"]
-    # costs are recorded for this kind of CPU, e.g. "cpu-avx2", measured with few-row linears in fp32 by default
+    # costs are recorded for this kind of CPU, e.g. "cpu-avx2", measured with few-row linears in fp32 by default,
+    # and with the drafter's weights in fp16 where fbgemm runs them
+    fp16w = "fbgemm" in torch.backends.quantized.supported_engines
     here = round_cost_key("cpu", None, cpu_kind())
-    skinny = round_cost_key("cpu", None, cpu_kind(), skinny=True)
-    assert costs["cuda"] == [1.0] * 8 and len(costs[skinny]) == 8 and all(c > 0 for c in costs[skinny])
-    assert here not in costs and f"round cost for {skinny}," in capsys.readouterr().out
+    default = round_cost_key("cpu", None, cpu_kind(), skinny=True, fp16_weights=fp16w)
+    assert costs["cuda"] == [1.0] * 8 and len(costs[default]) == 8 and all(c > 0 for c in costs[default])
+    assert here not in costs and f"round cost for {default}," in capsys.readouterr().out
     args = ["calibrate", "--drafter", str(folder), "--repeats", "2", "--context-length", "64", "--write"]
-    assert main([*args, "--no-skinny"]) == 0
-    assert main([*args, "--dtype", "bfloat16", "--exact"]) == 0  # exact verification: never few-row linears
+    assert main([*args, "--no-skinny", "--no-fp16-weights"]) == 0
+    assert main([*args, "--no-fp16-weights"]) == 0
+    # exact verification: never few-row linears
+    assert main([*args, "--dtype", "bfloat16", "--exact", "--no-fp16-weights"]) == 0
     costs = json.loads((folder / "config.json").read_text())["round_cost"]
-    assert {"cuda", skinny, here, f"{here}:bfloat16"} <= set(costs) and len(costs[f"{here}:bfloat16"]) == 8
-    assert len(costs[here]) == 8
+    skinny = round_cost_key("cpu", None, cpu_kind(), skinny=True)
+    assert {"cuda", default, skinny, here, f"{here}:bfloat16"} <= set(costs) and len(costs[f"{here}:bfloat16"]) == 8
+    assert len(costs[here]) == 8 and len(costs[skinny]) == 8
     assert main(["calibrate", "--drafter", str(tmp_path / "missing"), "--repeats", "1"]) == 2  # a clear error
 
 
