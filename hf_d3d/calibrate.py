@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from hf_d3d.atomic import write_json_atomic
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 from hf_d3d.skinny import skinny_by_default, skinny_linears
+from hf_d3d.targets import cache_kwarg
 
 
 def _timer(device: torch.device):
@@ -58,7 +59,8 @@ def measure_round_cost(
     context = torch.randint(0, drafter.config.vocab_size, (1, context_length), generator=g).to(device)
     trims = {"logits_to_keep"} & set(inspect.signature(target.forward).parameters)
     cache = DynamicCache()
-    target(context, past_key_values=cache, use_cache=True)
+    cache_kw = cache_kwarg(target)
+    target(context, **{cache_kw: cache}, use_cache=True)
     sizes = list(range(1, block + 2))
     verify: dict[int, list[float]] = {m: [] for m in sizes}
     skinny = skinny_by_default(target) if skinny is None else skinny
@@ -66,7 +68,7 @@ def measure_round_cost(
         for rep in range(repeats + 1):  # the first pass is a warm-up
             for m in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:
                 keep = {"logits_to_keep": m} if trims else {}
-                seconds = timed(lambda m=m, keep=keep: target(context[:, -m:], past_key_values=cache, **keep))
+                seconds = timed(lambda m=m, keep=keep: target(context[:, -m:], **{cache_kw: cache}, **keep))
                 cache.crop(-m)
                 if rep:
                     verify[m].append(seconds)

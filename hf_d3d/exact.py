@@ -25,6 +25,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from hf_d3d.targets import cache_kwarg
+
 EXACT_ATTENTION = "d3d_exact_sdpa"
 
 
@@ -185,11 +187,12 @@ def rows_match_decode(
     ids = torch.randint(0, target.config.vocab_size, (1, context_length + most), generator=g).to(target.device)
     with exact_verification(target):
         cache = DynamicCache(config=target.config)
-        target(ids[:, :context_length], past_key_values=cache)
-        steps = [target(ids[:, [i]], past_key_values=cache).logits[0, -1] for i in range(context_length, len(ids[0]))]
+        kw = {cache_kwarg(target): cache}
+        target(ids[:, :context_length], **kw)
+        steps = [target(ids[:, [i]], **kw).logits[0, -1] for i in range(context_length, len(ids[0]))]
         for n in rows:
             cache.crop(context_length - cache.get_seq_length())
-            verify = target(ids[:, context_length : context_length + n], past_key_values=cache).logits[0]
+            verify = target(ids[:, context_length : context_length + n], **kw).logits[0]
             if not all(torch.equal(verify[i], steps[i]) for i in range(n)):
                 return False
     return True

@@ -29,6 +29,7 @@ from hf_d3d.checks import check_pair
 from hf_d3d.exact import is_exact
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 from hf_d3d.skinny import skinny_by_default, skinny_linears
+from hf_d3d.targets import cache_kwarg
 from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 
@@ -209,7 +210,7 @@ def _verified_logits(target, ids, cache, rows, procs, prefixes, trims_logits, **
     """The target's processed logits ``[rows, vocab]`` for the last ``rows`` positions of ``ids``; ``prefixes[i]`` is
     the sequence that position i was predicted from, as processors must see it."""
     keep = {"logits_to_keep": rows} if trims_logits else {}
-    logits = target(ids, past_key_values=cache, use_cache=True, **keep, **extra).logits[0, -rows:].float()
+    logits = target(ids, **{cache_kwarg(target): cache}, use_cache=True, **keep, **extra).logits[0, -rows:].float()
     for i in range(rows) if len(procs) else ():
         logits[i] = procs(prefixes(i), logits[i : i + 1])[0]
     return logits
@@ -247,9 +248,8 @@ def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
     tree = tree.prefix(tree_size(tree, gen.round_cost))
     gen.stats.drafted_tokens += len(tree.tokens)
     if seq.shape[1] - cached > _JOIN_PREFILL:  # a long prompt: its own forward, not a dense (m + n)^2 tree mask
-        target(
-            seq[:, cached:-1], past_key_values=cache, use_cache=True, **({"logits_to_keep": 1} if trims_logits else {})
-        )
+        keep = {"logits_to_keep": 1} if trims_logits else {}
+        target(seq[:, cached:-1], **{cache_kwarg(target): cache}, use_cache=True, **keep)
         cached = seq.shape[1] - 1
     eager = str(target.config._attn_implementation) == "eager"
     ids, positions, mask = tree_inputs(tree, seq[0, cached:].tolist(), cached, seq.device, target.dtype, eager)

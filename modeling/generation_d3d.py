@@ -320,7 +320,7 @@ class D3DCandidateGenerator(CandidateGenerator):
     def _run(self, ids: torch.LongTensor, layout, keep: torch.Tensor) -> torch.Tensor:
         """Drafter forward over ``ids`` (context enters the cache); logits over the draft vocabulary at ``keep``."""
         draft_only = {"draft_logits": True} if self._vocab is not None else {}
-        return self.drafter(ids, layout=layout, past_key_values=self.cache, logits_to_keep=keep, **draft_only).logits
+        return self.drafter(ids, layout=layout, cache=self.cache, logits_to_keep=keep, **draft_only).logits
 
     # -- asynchronous packed drafting ------------------------------------------------------------------------------
     def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:

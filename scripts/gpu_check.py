@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_d3d import D3DCandidateGenerator, D3DDrafterModel
+from hf_d3d.targets import cache_kwarg
 
 
 def timed(fn, device, repeat: int) -> float:
@@ -83,12 +84,12 @@ def main() -> None:
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        target(x[:, :-1], past_key_values=cache)
+        target(x[:, :-1], **{cache_kwarg(target): cache})
         base = cache.get_seq_length()
         verify_in = cand[:, base:]
 
         def verify():
-            target(verify_in, past_key_values=cache)
+            target(verify_in, **{cache_kwarg(target): cache})
             cache.crop(-(cache.get_seq_length() - base))
 
         def packed():

@@ -21,7 +21,7 @@ caches = {name: DynamicCache() for name in models}
 times = {name: [] for name in models}
 with torch.no_grad():
     for name, drafter in models.items():
-        drafter(ids[:, :199], past_key_values=caches[name])
+        drafter(ids[:, :199], cache=caches[name])
 
     def packed(name: str) -> None:
         drafter, cache = models[name], caches[name]

@@ -111,3 +111,27 @@ def test_streamer_receives_the_same_tokens():
     flat = [t for c in streamer.chunks[:-1] for t in c]
     assert streamer.chunks[-1] == "end"
     assert flat == out[0].tolist()  # the prompt first, then every committed token exactly once
+
+
+def test_the_drafter_alone_generates_as_a_causal_lm_with_its_cache():
+    """Outside assisted decoding the drafter is a plain causal LM: ``drafter.generate`` (which hands the KV cache to
+    forward as ``cache`` from transformers 5.24) equals greedy decoding by full recomputation; the cache can also
+    be passed by its older name, not both."""
+    from transformers import DynamicCache
+
+    drafter = DRAFTERS[("llama", 4)]
+    x = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        out = drafter.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False)
+        seq = x
+        for _ in range(8):
+            nxt = drafter(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+        assert torch.equal(out, seq)
+        for name in ("cache", "past_key_values"):
+            cache = DynamicCache()
+            drafter(seq[:, :-3], **{name: cache})
+            got = drafter(seq[:, -3:], **{name: cache}).logits
+            torch.testing.assert_close(got, drafter(seq, use_cache=False).logits[:, -3:])
+        with pytest.raises(ValueError, match="not both"):
+            drafter(seq, cache=DynamicCache(), past_key_values=DynamicCache())

@@ -20,6 +20,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from .attention_d3d import CONTEXT, D3DLayout, d3d_attention_mask
 from .configuration_d3d import D3DConfig
 
+# The output's cache field: `cache` from transformers 5.24, `past_key_values` before.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 _SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -210,10 +213,11 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         layout: D3DLayout | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: DynamicCache | None = None,
+        cache: DynamicCache | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         draft_logits: bool = False,
+        past_key_values: DynamicCache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run context tokens and draft blocks described by ``layout``; without one, a plain causal LM pass.
@@ -222,18 +226,22 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         boolean ``[batch, T]`` tensor keeps the marked positions, flattened to ``[N, vocab]`` (training).
         ``draft_logits``: logits over the draft vocabulary only, ``[..., draft_vocab_size]`` in its order (training
         the distribution the drafter proposes from, at a sixth of the head's cost for 8k of 49k tokens).
+        ``past_key_values``: the KV cache under its name before transformers 5.24 (whose generate passes ``cache``).
         """
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
+        cache = cache if cache is not None else past_key_values
+        past = cache.get_seq_length() if cache is not None else 0
         if layout is None:
             layout = _causal_layout(input_ids, past, position_ids)
         mask = d3d_attention_mask(layout, past)
         if attention_mask is not None and attention_mask.dim() == 2:  # padding mask over past + current keys
             mask = mask & attention_mask[:, None, None, -mask.shape[-1] :].bool()
         if use_cache is False:
-            past_key_values = None
-        elif past_key_values is None and (use_cache or self.config.use_cache):
-            past_key_values = DynamicCache()
-        hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, past_key_values, layout.num_context)
+            cache = None
+        elif cache is None and (use_cache or self.config.use_cache):
+            cache = DynamicCache()
+        hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, cache, layout.num_context)
         if isinstance(logits_to_keep, int):
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         elif logits_to_keep.dtype == torch.bool:
@@ -242,7 +250,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             hidden = hidden[:, logits_to_keep]
         if draft_logits and self.config.draft_vocab_size is None:
             raise ValueError("draft_logits=True needs a draft vocabulary (set_draft_vocab)")
-        return CausalLMOutputWithPast(logits=self._logits(hidden, draft_logits), past_key_values=past_key_values)
+        return CausalLMOutputWithPast(logits=self._logits(hidden, draft_logits), **{_CACHE_FIELD: cache})
 
     def _logits(self, hidden: torch.Tensor, draft_only: bool = False) -> torch.Tensor:
         """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``.
