@@ -7,6 +7,7 @@ The drafter never reads the target's hidden states: it keeps its own KV cache ov
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -272,7 +273,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         key = self._draft_head_key()
         if self._draft_head is None or self._draft_head[0] != key:
             rows = self.lm_head.weight.detach().index_select(0, self.draft_vocab)
-            self._draft_head = (key, lambda hidden: F.linear(hidden, rows))
+            self._draft_head = (key, functools.partial(F.linear, weight=rows))
         return self._draft_head[1]
 
     def set_draft_head(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -284,7 +285,11 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
 
     def _draft_head_key(self) -> tuple:
         tensors = (self.lm_head.weight, self.draft_vocab)
-        return tuple((t.data_ptr(), t.dtype, -1 if t.is_inference() else t._version) for t in tensors)
+        return tuple((t.data_ptr(), t.device, t.dtype, -1 if t.is_inference() else t._version) for t in tensors)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._draft_head = None  # a move or cast: gather the head again (a freed address can be reused)
+        return super()._apply(fn, *args, **kwargs)
 
     def expand_draft_logits(self, sub: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (its order) as full-vocabulary logits, ``-inf`` outside it."""

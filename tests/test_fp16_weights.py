@@ -47,7 +47,7 @@ def test_packs_the_layers_and_the_draft_head_and_keeps_the_drafts():
     assert fp16_weights(packed) is packed  # packing twice is a no-op
 
 
-def test_the_packed_draft_head_is_dropped_when_the_head_or_vocabulary_changes():
+def test_the_packed_draft_head_is_dropped_when_the_head_or_vocabulary_changes_and_packed_again_on_request():
     drafter = fp16_weights(_drafter(tiny_target("llama"), list(range(40))))
     assert _packed(drafter.draft_head())
     with torch.no_grad():
@@ -59,8 +59,44 @@ def test_the_packed_draft_head_is_dropped_when_the_head_or_vocabulary_changes():
         hidden = torch.randn(1, 3, rows.shape[1])
         torch.testing.assert_close(drafter.draft_head()(hidden), hidden @ rows.T)
         drafter(x)
+    assert _packed(fp16_weights(drafter).draft_head())  # a second call packs the new head
     drafter.set_draft_vocab(list(range(10, 50)))
     assert not _packed(drafter.draft_head())
+    assert _packed(fp16_weights(drafter).draft_head())
+    drafter.float()  # any move or cast, even to the same dtype
+    assert not _packed(drafter.draft_head())
+
+
+def test_a_packed_drafter_is_refused_as_a_checkpoint_and_loads_packed_on_request(tmp_path):
+    import pickle
+
+    from hf_d3d.targets import load_drafter
+
+    drafter = _drafter(tiny_target("llama"), list(range(60)))
+    with torch.no_grad():
+        drafter(torch.tensor([[5, 6, 7]]))  # gathers the plain head, which must not stop pickling
+    pickle.dumps(drafter)
+    drafter.save_pretrained(tmp_path / "plain")
+    loaded = load_drafter(str(tmp_path / "plain"), fp16_weights=True)
+    assert loaded.d3d_fp16_weights and _packed(loaded.draft_head())
+    assert not hasattr(load_drafter(str(tmp_path / "plain")), "d3d_fp16_weights")
+    with pytest.raises(ValueError, match="cannot be saved"):
+        loaded.save_pretrained(tmp_path / "packed")
+    assert not (tmp_path / "packed").exists()  # refused before anything was written
+
+
+def test_packing_keeps_the_quantized_engine_the_user_chose():
+    engine = torch.backends.quantized.engine
+    try:
+        if "qnnpack" in torch.backends.quantized.supported_engines:
+            torch.backends.quantized.engine = "qnnpack"
+        chosen = torch.backends.quantized.engine
+        drafter = fp16_weights(_drafter(tiny_target("llama"), list(range(60))))
+        assert torch.backends.quantized.engine == chosen
+        with torch.no_grad():
+            assert drafter(torch.tensor([[5, 6, 7]])).logits.isfinite().any()
+    finally:
+        torch.backends.quantized.engine = engine
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -96,8 +96,10 @@ def test_calibrate_command_records_round_costs(tmp_path, capsys):
     assert main(["calibrate", "--drafter", str(folder), "--repeats", "2", "--context-length", "64", "--write"]) == 0
     costs = json.loads((folder / "config.json").read_text())["round_cost"]
     # costs are recorded for this kind of CPU, e.g. "cpu-avx2", measured with few-row linears in fp32 by default,
-    # and with the drafter's weights in fp16 where fbgemm runs them
-    fp16w = "fbgemm" in torch.backends.quantized.supported_engines
+    # and with the drafter's weights in fp16 where it loads in fp32 (no bf16 units) and fbgemm runs them
+    from hf_d3d.targets import cpu_computes_bf16
+
+    fp16w = "fbgemm" in torch.backends.quantized.supported_engines and not cpu_computes_bf16()
     here = round_cost_key("cpu", None, cpu_kind())
     default = round_cost_key("cpu", None, cpu_kind(), skinny=True, fp16_weights=fp16w)
     assert costs["cuda"] == [1.0] * 8 and len(costs[default]) == 8 and all(c > 0 for c in costs[default])

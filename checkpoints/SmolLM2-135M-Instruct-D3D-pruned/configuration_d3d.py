@@ -32,7 +32,7 @@ class D3DConfig(PreTrainedConfig):
     """
 
     model_type = "d3d_drafter"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the name from transformers 5.24, and before
 
     vocab_size: int = 32000
     hidden_size: int = 512

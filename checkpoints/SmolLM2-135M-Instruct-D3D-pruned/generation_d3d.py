@@ -8,6 +8,7 @@ drafter state (its KV cache over committed tokens, its statistics) lives exactly
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -216,6 +217,10 @@ class D3DCandidateGenerator(CandidateGenerator):
         # Drafting works over the draft vocabulary (argmax, confidences, hypotheses: a sixth of the work for 8k of
         # 49k tokens); full-vocabulary logits are built only for what get_candidates hands back.
         self._vocab = drafter.draft_vocab if getattr(config, "draft_vocab_size", None) else None
+        # A drafter class from an older revision of these files takes its cache as `past_key_values` only.
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(type(drafter).forward).parameters else "past_key_values"
+        )
 
     # -- the cache protocol of transformers' AssistedCandidateGenerator -------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -320,7 +325,8 @@ class D3DCandidateGenerator(CandidateGenerator):
     def _run(self, ids: torch.LongTensor, layout, keep: torch.Tensor) -> torch.Tensor:
         """Drafter forward over ``ids`` (context enters the cache); logits over the draft vocabulary at ``keep``."""
         draft_only = {"draft_logits": True} if self._vocab is not None else {}
-        return self.drafter(ids, layout=layout, cache=self.cache, logits_to_keep=keep, **draft_only).logits
+        cache = {self._cache_kw: self.cache}
+        return self.drafter(ids, layout=layout, logits_to_keep=keep, **cache, **draft_only).logits
 
     # -- asynchronous packed drafting ------------------------------------------------------------------------------
     def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:
