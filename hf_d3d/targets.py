@@ -7,9 +7,7 @@ ordinary ``from_pretrained`` path (local folder or Hub), with a clear error when
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 import os
 from pathlib import Path
 
@@ -134,15 +132,3 @@ def load_drafter(
     if fp16_weights and fp16_weights_supported(drafter):
         pack_fp16(drafter)
     return drafter
-
-
-@functools.lru_cache
-def _forward_takes_cache(model_type: type) -> bool:
-    return "cache" in inspect.signature(model_type.forward).parameters
-
-
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The keyword a model's forward takes its KV cache by: ``cache`` from transformers 5.24 (which still accepts
-    ``past_key_values``, with a deprecation warning), ``past_key_values`` before. Read from the model's class, so an
-    instance-level wrapper (accelerate's hooks) does not hide it."""
-    return "cache" if _forward_takes_cache(type(model)) else "past_key_values"

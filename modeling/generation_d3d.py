@@ -8,6 +8,7 @@ drafter state (its KV cache over committed tokens, its statistics) lives exactly
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import asdict, dataclass, field
@@ -129,6 +130,19 @@ def round_cost_key(
     return device if name == "float32" else f"{device}:{name}"
 
 
+@functools.lru_cache
+def _forward_takes_cache(model_type: type) -> bool:
+    return "cache" in inspect.signature(model_type.forward).parameters
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by: ``cache`` from transformers 5.24 (which still accepts
+    ``past_key_values``, with a deprecation warning), ``past_key_values`` before (and in drafters of older revisions
+    of these files). Read from the model's class, so an instance-level wrapper (accelerate's hooks) does not hide
+    it."""
+    return "cache" if _forward_takes_cache(type(model)) else "past_key_values"
+
+
 def cpu_kind() -> str:
     """The instruction set torch's CPU kernels use here ("AVX2", "AVX512", ...): CPUs of different kinds run a
     verify pass over several rows at very different costs relative to one decode step."""
@@ -217,10 +231,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         # Drafting works over the draft vocabulary (argmax, confidences, hypotheses: a sixth of the work for 8k of
         # 49k tokens); full-vocabulary logits are built only for what get_candidates hands back.
         self._vocab = drafter.draft_vocab if getattr(config, "draft_vocab_size", None) else None
-        # A drafter class from an older revision of these files takes its cache as `past_key_values` only.
-        self._cache_kw = (
-            "cache" if "cache" in inspect.signature(type(drafter).forward).parameters else "past_key_values"
-        )
+        self._cache_kw = cache_kwarg(drafter)
 
     # -- the cache protocol of transformers' AssistedCandidateGenerator -------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_d3d import D3DCandidateGenerator, D3DDrafterModel
-from hf_d3d.targets import cache_kwarg
+from hf_d3d.modeling.generation_d3d import cache_kwarg
 
 
 def timed(fn, device, repeat: int) -> float:
