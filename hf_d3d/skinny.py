@@ -2,18 +2,21 @@
 
 A verify forward over k + 1 rows reads the same weights as a decode step, and on a CPU reading them is most of its
 cost. But fp32 ``F.linear`` (``x @ W.T``) over 2-16 rows leaves the matrix-vector kernel of one row for a GEMM
-that, on the 2 AVX2 cores this was measured on, costs about twice as much: a whole SmolLM2-135M forward over 2-9
-rows took 1.7-2.1 decode steps. The same product computed as ``(W @ x.T).T`` (the few rows as the GEMM's
-columns) stays near one weight read up to about 5 rows, and below ``F.linear`` up to 16. So within the fast loop,
-plain fp32 ``nn.Linear`` modules of the target and drafter on CPU compute inputs of 2..``max_rows`` rows in all
-(verify forwards; also short prefills and small-batch decode steps inside the block) that way; one row (a decode
-step) and longer inputs are untouched. The values are the same product, rounded differently: as with any batched
-verify forward, not bit-identical to a decode step (:mod:`hf_d3d.exact` is the bitwise mode and refuses this).
+that repacks the whole weight on every call: a SmolLM2-135M forward over 2-9 rows took 1.3-2.1 decode steps on the
+two CPUs this was measured on. Within the fast loop, plain fp32 ``nn.Linear`` modules of the target and drafter on
+CPU therefore compute inputs of 2..``max_rows`` rows in all (verify forwards; also short prefills and small-batch
+decode steps inside the block) with a kernel that does not: oneDNN's linear over a weight packed once into its own
+layout (kept, per module, for as long as the weight is unchanged: as much memory again as the fp32 weights), or,
+in a build without oneDNN, ``(W @ x.T).T`` (the few rows as the GEMM's columns). One row (a decode step) and longer
+inputs are untouched, so plain decoding is not sped up. The values are the same product, rounded differently: as
+with any batched verify forward, not bit-identical to a decode step (:mod:`hf_d3d.exact` is the bitwise mode and
+refuses this).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,10 +29,36 @@ from hf_d3d.exact import is_exact
 SKINNY_ROWS = 16
 
 
+def _onednn_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+ONEDNN = _onednn_available()
+# module -> (what its weight was when packed, the packed weight); dropped with the module
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def packed_weight(module: nn.Linear) -> torch.Tensor:
+    """``module.weight`` in oneDNN's linear layout, packed on first use and again whenever the weight changes."""
+    w = module.weight
+    key = (w.data_ptr(), w._version, w.shape, w.dtype)
+    held = _PACKED.get(module)
+    if held is None or held[0] != key:
+        held = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+        _PACKED[module] = held
+    return held[1]
+
+
 def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 < rows <= max_rows:
         return F.linear(x, module.weight, module.bias)
+    if ONEDNN and not torch.is_autocast_enabled("cpu") and not (torch.is_grad_enabled() and module.weight.requires_grad):
+        bias = None if module.bias is None else module.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(module), bias, "none", [], "")
     out = (module.weight @ x.reshape(rows, -1).T).T.contiguous()  # row-major again: sdpa's fast kernels need it
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)  # autocast may have computed the product in a lower precision
@@ -51,7 +80,7 @@ def skinny_by_default(model: nn.Module) -> bool:
 @contextmanager
 def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[int]:
     """Within the block, the plain fp32 CPU ``nn.Linear`` modules of ``models`` (a target and its drafter, say)
-    compute 2..``max_rows`` rows as ``(W @ x.T).T``; yields how many modules that is. Subclasses (quantized
+    compute 2..``max_rows`` rows with a kernel made for few rows (see the module's docstring); yields how many modules that is. Subclasses (quantized
     linears), other dtypes and devices, and modules whose ``forward`` is already replaced on the instance
     (accelerate's offload hooks) are left alone. Each model is marked ``d3d_skinny_linears = True`` meanwhile, so a
     D3D drafter picks the round costs calibrated this way. Wrap ``target.generate(..., assistant_model=drafter)``

@@ -6,7 +6,8 @@ then any of ``+static`` (a preallocated target cache), ``+fixed`` (K tokens ever
 round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype), ``+chain`` (one chain per round instead
 of a draft tree), ``+fp16w`` (the drafter's linear weights kept in fp16, ``hf_d3d.fp16_weights``) and
 ``+noskinny`` (the target's and drafter's few-row linears as ``F.linear`` computes them, and the round costs
-calibrated that way; see ``hf_d3d.skinny``): ``PATH@4+fixed+fp32``. GSM8K test prompts, timed by
+calibrated that way; see ``hf_d3d.skinny``), ``+transpose`` (few-row linears as ``(W @ x.T).T``, the kernel for builds
+without oneDNN): ``PATH@4+fixed+fp32``. GSM8K test prompts, timed by
 ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
 greedy.
 """
@@ -15,6 +16,8 @@ import argparse
 import sys
 
 import torch
+
+import hf_d3d.skinny as skinny_mod
 
 from hf_d3d import speculative_generate
 from hf_d3d.bench import markdown_table, run_methods, write_outputs
@@ -33,8 +36,9 @@ target, tok = load_target()
 loaded = {}
 
 
-def fast(drafter, k, cache, round_cost, tree, skinny):
+def fast(drafter, k, cache, round_cost, tree, skinny, onednn=skinny_mod.ONEDNN):
     def run(x):
+        skinny_mod.ONEDNN = onednn
         drafter.generation_config.num_assistant_tokens = k
         drafter.config.round_cost = round_cost
         return speculative_generate(
@@ -60,8 +64,8 @@ runners = {
 }
 for spec in args.specs:
     spec_path, *flags = spec.split("+")
-    if set(flags) - {"static", "fixed", "fp32", "chain", "noskinny", "fp16w"}:
-        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain, +noskinny, +fp16w")
+    if set(flags) - {"static", "fixed", "fp32", "chain", "noskinny", "fp16w", "transpose"}:
+        sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain, +noskinny, +fp16w, +transpose")
     path, _, k = spec_path.partition("@")
     dtype = torch.float32 if "fp32" in flags or "fp16w" in flags else "auto"
     fp16w = "fp16w" in flags
@@ -83,6 +87,7 @@ for spec in args.specs:
             costs,
             False if "chain" in flags else None,
             False if "noskinny" in flags else None,
+            skinny_mod.ONEDNN and "transpose" not in flags,
         ),
         drafter,
     )
