@@ -1,4 +1,5 @@
-"""Few-row linears computed as weight @ input.T (`hf_d3d.skinny`): same values, scoped, and only where it applies."""
+"""Few-row linears (`hf_d3d.skinny`: oneDNN over packed weights, or weight @ input.T): same values, scoped, and only
+where it applies."""
 
 from __future__ import annotations
 
@@ -20,9 +21,18 @@ class _Scaled(nn.Linear):  # a Linear subclass (as quantized linears are): its o
         return 2 * super().forward(x)
 
 
+@pytest.fixture(params=["onednn", "transpose"])
+def kernel(request, monkeypatch):
+    """Each test runs with both few-row kernels: oneDNN's (where this torch has it) and (W @ x.T).T."""
+    if request.param == "onednn" and not skinny_mod.ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(skinny_mod, "ONEDNN", request.param == "onednn")
+    return request.param
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 7), (2, 7), (5, 7), (1, 3, 7), (2, 2, 7), (16, 7), (17, 7), (1, 40, 7)])
-def test_values_match_linear_and_are_row_major(bias, shape):
+def test_values_match_linear_and_are_row_major(kernel, bias, shape):
     torch.manual_seed(0)
     lin = nn.Linear(7, 11, bias=bias)
     x = torch.randn(shape)
@@ -56,7 +66,44 @@ def test_marks_the_models_and_undoes_only_its_own_forwards():
     assert "forward" not in model[0].__dict__ and model[1].forward is theirs
 
 
-def test_bias_keeps_the_dtype_autocast_chose():
+@pytest.mark.skipif(not skinny_mod.ONEDNN, reason="this torch build has no oneDNN")
+def test_onednn_packs_once_and_again_when_the_weight_changes(monkeypatch):
+    packs = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def counting(w, *args):
+        packs.append(w.data_ptr())
+        return real(w, *args)
+
+    monkeypatch.setattr(skinny_mod.torch.ops.mkldnn, "_reorder_linear_weight", counting)
+    lin = nn.Linear(6, 5)
+    x = torch.randn(3, 6)
+    with torch.no_grad(), skinny_linears(lin):
+        first = lin(x)
+        lin(x), lin(torch.randn(4, 6)), lin(torch.randn(1, 6))  # packed once; one row never packs
+        assert len(packs) == 1
+        lin.weight.mul_(2)  # changed in place: its packed copy is stale
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        assert len(packs) == 2
+        lin.weight = nn.Parameter(lin.weight / 2)  # replaced
+        torch.testing.assert_close(lin(x), first)
+        assert len(packs) == 3
+
+
+def test_gradients_flow_where_a_weight_trains(kernel):
+    lin = nn.Linear(6, 5)
+    x = torch.randn(3, 6, requires_grad=True)
+    with skinny_linears(lin):
+        lin(x).sum().backward()
+    ref = nn.Linear(6, 5)
+    ref.load_state_dict(lin.state_dict())
+    x2 = x.detach().clone().requires_grad_(True)
+    ref(x2).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_bias_keeps_the_dtype_autocast_chose(kernel):
     lin = nn.Linear(8, 3)
     x = torch.randn(4, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -90,7 +137,7 @@ def test_default_is_fp32_cpu_without_exact_verification():
     assert not skinny_by_default(tiny_target("llama").bfloat16())
 
 
-def test_fast_loop_takes_the_skinny_path_and_stays_lossless(monkeypatch):
+def test_fast_loop_takes_the_skinny_path_and_stays_lossless(kernel, monkeypatch):
     target = tiny_target("qwen3")
     drafter = make_drafter(target, block_size=8)
     rows_seen = []
