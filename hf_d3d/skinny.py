@@ -52,11 +52,12 @@ def packed_weight(module: nn.Linear) -> torch.Tensor:
     return held[1]
 
 
-def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int) -> torch.Tensor:
+def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int, min_rows: int = 2) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 1 < rows <= max_rows:
+    if not min_rows <= rows <= max_rows:
         return F.linear(x, module.weight, module.bias)
-    if ONEDNN and not torch.is_autocast_enabled("cpu") and not (torch.is_grad_enabled() and module.weight.requires_grad):
+    trains = torch.is_grad_enabled() and module.weight.requires_grad
+    if ONEDNN and not trains and not torch.is_autocast_enabled("cpu"):
         bias = None if module.bias is None else module.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(module), bias, "none", [], "")
     out = (module.weight @ x.reshape(rows, -1).T).T.contiguous()  # row-major again: sdpa's fast kernels need it
@@ -78,15 +79,18 @@ def skinny_by_default(model: nn.Module) -> bool:
 
 
 @contextmanager
-def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[int]:
+def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: int = 2) -> Iterator[int]:
     """Within the block, the plain fp32 CPU ``nn.Linear`` modules of ``models`` (a target and its drafter, say)
-    compute 2..``max_rows`` rows with a kernel made for few rows (see the module's docstring); yields how many modules that is. Subclasses (quantized
-    linears), other dtypes and devices, and modules whose ``forward`` is already replaced on the instance
-    (accelerate's offload hooks) are left alone. Each model is marked ``d3d_skinny_linears = True`` meanwhile, so a
-    D3D drafter picks the round costs calibrated this way. Wrap ``target.generate(..., assistant_model=drafter)``
-    in ``skinny_linears(target, drafter)`` to give transformers' assisted loop the fast loop's verify costs."""
-    if max_rows < 2:
-        raise ValueError(f"max_rows must be >= 2, got {max_rows}")
+    compute 2..``max_rows`` rows with a kernel made for few rows (see the module's docstring); yields how many
+    modules that is. Subclasses (quantized linears), other dtypes and devices, and modules whose ``forward`` is
+    already replaced on the instance (accelerate's offload hooks) are left alone. Each model is marked
+    ``d3d_skinny_linears = True`` meanwhile, so a D3D drafter picks the round costs calibrated this way. Wrap
+    ``target.generate(..., assistant_model=drafter)`` in ``skinny_linears(target, drafter)`` to give transformers'
+    assisted loop the fast loop's verify costs. ``min_rows=1`` computes one-row decode steps that way too: a
+    reference for what the kernel alone does to plain decoding (``scripts/side_by_side.py plain+onednn``), not
+    something D3D needs."""
+    if not 1 <= min_rows <= max_rows or max_rows < 2:
+        raise ValueError(f"need 1 <= min_rows <= max_rows, max_rows >= 2; got min_rows={min_rows}, max_rows={max_rows}")
     patched: list[tuple[nn.Linear, functools.partial]] = []
     marked = [m for m in dict.fromkeys(models) if not getattr(m, "d3d_skinny_linears", False)]
     try:
@@ -99,7 +103,7 @@ def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS) -> Iterator[
                 and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32
             ):
-                module.forward = functools.partial(_skinny_forward, module, max_rows=max_rows)
+                module.forward = functools.partial(_skinny_forward, module, max_rows=max_rows, min_rows=min_rows)
                 patched.append((module, module.forward))
         yield len(patched)
     finally:

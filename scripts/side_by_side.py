@@ -7,9 +7,11 @@ round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype), ``+cha
 of a draft tree), ``+fp16w`` (the drafter's linear weights kept in fp16, ``hf_d3d.fp16_weights``) and
 ``+noskinny`` (the target's and drafter's few-row linears as ``F.linear`` computes them, and the round costs
 calibrated that way; see ``hf_d3d.skinny``), ``+transpose`` (few-row linears as ``(W @ x.T).T``, the kernel for builds
-without oneDNN): ``PATH@4+fixed+fp32``. GSM8K test prompts, timed by
-``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from plain
-greedy.
+without oneDNN): ``PATH@4+fixed+fp32``. The SPEC ``plain+onednn`` is plain greedy with every fp32 linear of one to
+16 rows (decode steps included) computed by oneDNN over packed weights: what that kernel alone does to plain
+decoding, the reference for how much of a speedup is the kernel's rather than speculation's. GSM8K test prompts,
+timed by ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from
+plain greedy.
 """
 
 import argparse
@@ -18,7 +20,6 @@ import sys
 import torch
 
 import hf_d3d.skinny as skinny_mod
-
 from hf_d3d import speculative_generate
 from hf_d3d.bench import markdown_table, run_methods, write_outputs
 from hf_d3d.fp16_weights import fp16_weights
@@ -62,7 +63,19 @@ runners = {
         None,
     )
 }
+
+
+def plain_onednn(x):
+    with skinny_mod.skinny_linears(target, min_rows=1):
+        return runners["plain"][0](x)
+
+
 for spec in args.specs:
+    if spec == "plain+onednn":
+        if not skinny_mod.ONEDNN:
+            sys.exit("plain+onednn: this torch build has no oneDNN")
+        runners[spec] = (plain_onednn, None)
+        continue
     spec_path, *flags = spec.split("+")
     if set(flags) - {"static", "fixed", "fp32", "chain", "noskinny", "fp16w", "transpose"}:
         sys.exit(f"unknown flags in {spec!r}: use +static, +fixed, +fp32, +chain, +noskinny, +fp16w, +transpose")

@@ -49,8 +49,24 @@ def test_scoped_and_restored_even_on_error():
         assert n == 2 and all("forward" in m.__dict__ for m in (model[0], model[2]))
         raise RuntimeError("boom")
     assert not any("forward" in m.__dict__ for m in model.modules())
-    with pytest.raises(ValueError, match="max_rows"), skinny_linears(model, max_rows=1):
-        pass
+    for bad in ({"max_rows": 1}, {"min_rows": 0}, {"min_rows": 5, "max_rows": 4}):
+        with pytest.raises(ValueError, match="max_rows"), skinny_linears(model, **bad):
+            pass
+
+
+def test_one_row_only_with_min_rows_1(kernel, monkeypatch):
+    lin = nn.Linear(6, 5)
+    x = torch.randn(1, 6)
+    calls, real = [], F.linear
+    monkeypatch.setattr(skinny_mod.F, "linear", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        with skinny_linears(lin):
+            lin(x)
+        assert calls == [1]  # one row: left to F.linear
+        with skinny_linears(lin, min_rows=1):
+            out = lin(x)
+        assert calls == [1]
+    torch.testing.assert_close(out, real(x, lin.weight, lin.bias))
 
 
 def test_marks_the_models_and_undoes_only_its_own_forwards():
@@ -143,9 +159,9 @@ def test_fast_loop_takes_the_skinny_path_and_stays_lossless(kernel, monkeypatch)
     rows_seen = []
     real = skinny_mod._skinny_forward
 
-    def counting(module, x, max_rows):
+    def counting(module, x, max_rows, min_rows=2):
         rows_seen.append(x.numel() // x.shape[-1])
-        return real(module, x, max_rows)
+        return real(module, x, max_rows, min_rows)
 
     monkeypatch.setattr(skinny_mod, "_skinny_forward", counting)
     x = torch.tensor([[5, 6, 7, 8, 9]])
