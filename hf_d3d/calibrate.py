@@ -20,7 +20,6 @@ from transformers import DynamicCache, PreTrainedModel
 from hf_d3d.atomic import write_json_atomic
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, cache_kwarg
 from hf_d3d.skinny import skinny_by_default, skinny_linears
-from hf_d3d.tree import MAX_TREE_NODES
 
 
 def _timer(device: torch.device):
@@ -45,12 +44,8 @@ def measure_round_cost(
     new_per_round: int = 3,
     seed: int = 0,
     skinny: bool | None = None,
-    max_tokens: int | None = None,
 ) -> list[float]:
-    """Cost of a round proposing k = 1 .. ``max_tokens`` tokens, in target decode steps (medians of ``repeats``).
-
-    ``max_tokens`` defaults to the block size or ``MAX_TREE_NODES``, whichever is larger: a chain proposes at most a
-    block, a draft tree may verify more nodes than that where the costs say they pay.
+    """Cost of a round proposing k = 1 .. ``block_size`` tokens, in target decode steps (medians of ``repeats``).
 
     The target's cache holds ``context_length`` tokens; each timed verify forward is cropped off again, and the
     sizes are timed in rotating order so that a drifting machine affects them alike. The draft is timed as a round
@@ -59,16 +54,13 @@ def measure_round_cost(
     device = target.device
     timed = _timer(device)
     block = drafter.config.block_size
-    max_tokens = max(block, MAX_TREE_NODES) if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     g = torch.Generator().manual_seed(seed)
     context = torch.randint(0, drafter.config.vocab_size, (1, context_length), generator=g).to(device)
     trims = {"logits_to_keep"} & set(inspect.signature(target.forward).parameters)
     cache = DynamicCache()
     cache_kw = cache_kwarg(target)
     target(context, **{cache_kw: cache}, use_cache=True)
-    sizes = list(range(1, max_tokens + 2))
+    sizes = list(range(1, block + 2))
     verify: dict[int, list[float]] = {m: [] for m in sizes}
     skinny = skinny_by_default(target) if skinny is None else skinny
     with skinny_linears(target, drafter) if skinny else contextlib.nullcontext():
@@ -90,7 +82,7 @@ def measure_round_cost(
                 drafts.append(seconds)
     step = statistics.median(verify[1])
     draft = statistics.median(drafts)
-    return [round((draft + statistics.median(verify[k + 1])) / step, 3) for k in range(1, max_tokens + 1)]
+    return [round((draft + statistics.median(verify[k + 1])) / step, 3) for k in range(1, block + 1)]
 
 
 def write_round_cost(drafter_dir: str | Path, key: str, costs: list[float]) -> Path:

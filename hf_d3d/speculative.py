@@ -29,15 +29,7 @@ from hf_d3d.checks import check_pair
 from hf_d3d.exact import is_exact
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, cache_kwarg
 from hf_d3d.skinny import skinny_by_default, skinny_linears
-from hf_d3d.tree import (
-    MAX_TREE_NODES,
-    build_tree,
-    keep_path,
-    tree_inputs,
-    tree_size,
-    tree_unsupported,
-    verify_tree_greedy,
-)
+from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 
 
@@ -123,10 +115,8 @@ def speculative_generate(
     ``cache_implementation="static"`` preallocates the target's KV cache for the whole decode (a fixed-shape
     cache, as torch.compile and CUDA graphs want); rejected positions are then overwritten rather than freed.
     ``tree``: verify draft trees (greedy; the default where the target supports them and drafting is in sync) or
-    chains (False); a tree is as deep as a chain is long and has up to as many nodes as ``round_cost`` has entries
-    (``hf-d3d calibrate`` measures up to ``hf_d3d.tree.MAX_TREE_NODES``). ``skinny``: compute few-row linears (the
-    target's verify forwards, the drafter's blocks) as :func:`hf_d3d.skinny_linears` does (default: fp32 targets on
-    CPU, unless verification is exact).
+    chains (False). ``skinny``: compute few-row linears (the target's verify forwards, the drafter's blocks) as
+    :func:`hf_d3d.skinny_linears` does (default: fp32 targets on CPU, unless verification is exact).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
@@ -167,8 +157,7 @@ def speculative_generate(
         raise ValueError(f"tree=True: {why_not}")
     use_tree = why_not is None and tree is not False
     drafter.last_stats = gen.stats
-    # The same knob as in generate(assistant_model=...): draft at most this many tokens per round (a chain's length, a
-    # tree's depth; a tree may verify more nodes, where round costs were measured for more).
+    # The same knob as in generate(assistant_model=...): draft (and verify) at most this many tokens per round.
     per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
     # Only the k + 1 verified positions need the LM head; at prefill that skips the whole prompt's rows.
     trims_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
@@ -247,18 +236,14 @@ _JOIN_PREFILL = 512
 
 
 def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
-    """Draft a tree ``budget`` deep (of more nodes where round costs say so) and verify it in one forward (greedy;
-    also prefills what is uncached).
+    """Draft a tree of up to ``budget`` nodes and verify it in one forward (greedy; also prefills what is uncached).
 
     Returns the round's draft as a chain (the accepted path, then the tree's best guesses below it, which the target
     rejected), the accepted count, the target's next token and the accepted node indices. The cache then holds the
     root and every node; :func:`keep_path` compacts it.
     """
-    # As deep as a chain may reach; as wide as the round costs were measured (up to MAX_TREE_NODES nodes): a tree
-    # spends extra rows on second choices where verifying them costs little
-    nodes = max(budget, min(len(gen.round_cost or ()), MAX_TREE_NODES))
-    logprobs, tokens = gen.get_slot_candidates(seq, depth=budget, width=nodes)
-    tree = build_tree(logprobs, tokens, nodes)
+    logprobs, tokens = gen.get_slot_candidates(seq, depth=budget, width=budget)
+    tree = build_tree(logprobs, tokens, budget)
     tree = tree.prefix(tree_size(tree, gen.round_cost))
     gen.stats.drafted_tokens += len(tree.tokens)
     if seq.shape[1] - cached > _JOIN_PREFILL:  # a long prompt: its own forward, not a dense (m + n)^2 tree mask

@@ -22,10 +22,6 @@ from transformers.cache_utils import DynamicLayer
 
 from hf_d3d.exact import EXACT_ATTENTION
 
-# Most nodes a tree may verify, where the round costs were measured that far (hf-d3d calibrate measures them): a
-# verify forward of up to 16 rows, the range of the few-row kernels on CPU (hf_d3d.skinny).
-MAX_TREE_NODES = 15
-
 
 @dataclass
 class DraftTree:
@@ -92,7 +88,7 @@ def tree_size(tree: DraftTree, round_cost: list[float] | None) -> int:
     """How many nodes to verify: the prefix with the most expected committed tokens per unit of round cost.
 
     ``round_cost[n - 1]`` is what a round verifying n draft tokens costs (``hf-d3d calibrate``); without costs the
-    whole tree, and never more nodes than costs were measured for. Ties go to the smaller tree.
+    whole tree. Ties go to the smaller tree.
     """
     if not round_cost:
         return len(tree.tokens)

@@ -7,8 +7,7 @@ round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype), ``+cha
 of a draft tree), ``+fp16w`` (the drafter's linear weights kept in fp16, ``hf_d3d.fp16_weights``) and
 ``+noskinny`` (the target's and drafter's few-row linears as ``F.linear`` computes them, and the round costs
 calibrated that way; see ``hf_d3d.skinny``), ``+transpose`` (few-row linears as ``(W @ x.T).T``, the kernel for builds
-without oneDNN), ``+blocknodes`` (round costs cut to the block size, so a tree has no more nodes than a chain
-has tokens): ``PATH@4+fixed+fp32``. The SPEC ``plain+onednn`` is plain greedy with every fp32 linear of one to
+without oneDNN): ``PATH@4+fixed+fp32``. The SPEC ``plain+onednn`` is plain greedy with every fp32 linear of one to
 16 rows (decode steps included) computed by oneDNN over packed weights: what that kernel alone does to plain
 decoding, the reference for how much of a speedup is the kernel's rather than speculation's. GSM8K test prompts,
 timed by ``hf_d3d.bench.run_methods`` (alternating, warm-up, medians); exits non-zero on any output that differs from
@@ -64,7 +63,7 @@ runners = {
         None,
     )
 }
-FLAGS = {"static", "fixed", "fp32", "chain", "noskinny", "fp16w", "transpose", "blocknodes"}
+FLAGS = {"static", "fixed", "fp32", "chain", "noskinny", "fp16w", "transpose"}
 
 
 def plain_onednn(x):
@@ -94,8 +93,6 @@ for spec in args.specs:
     drafter, shipped, round_cost = loaded[path, dtype, fp16w]
     cache = "static" if "static" in flags else "dynamic"
     costs = None if "fixed" in flags else round_cost
-    if costs and "blocknodes" in flags:
-        costs = {key: c[: drafter.config.block_size] for key, c in costs.items()}
     runners[spec] = (
         fast(
             drafter,
