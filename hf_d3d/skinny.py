@@ -30,9 +30,16 @@ SKINNY_ROWS = 16
 
 
 def _onednn_available() -> bool:
+    """Whether oneDNN's packed linear (the private ops inductor's CPU freezing uses) is here and still computes
+    ``F.linear``: checked once on a small product, so a torch that changed them falls back instead of failing."""
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
+        if not torch.backends.mkldnn.is_available():
+            return False
+        w, x = torch.arange(12.0).view(3, 4) / 8, torch.arange(8.0).view(2, 4) / 8  # not torch's RNG: no side effect
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.allclose(out, F.linear(x, w), atol=1e-5))
+    except (AttributeError, RuntimeError, TypeError):
         return False
 
 

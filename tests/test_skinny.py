@@ -174,3 +174,13 @@ def test_fast_loop_takes_the_skinny_path_and_stays_lossless(kernel, monkeypatch)
     rows_seen.clear()
     speculative_generate(target, drafter, x, max_new_tokens=30, eos_token_id=None, skinny=False)
     assert rows_seen == []
+
+
+def test_a_torch_whose_onednn_ops_changed_falls_back(monkeypatch):
+    def changed(*args):
+        raise TypeError("_linear_pointwise() takes 5 arguments")
+
+    monkeypatch.setattr(skinny_mod.torch.ops.mkldnn, "_linear_pointwise", changed)
+    assert not skinny_mod._onednn_available()
+    monkeypatch.setattr(skinny_mod.torch.ops.mkldnn, "_linear_pointwise", lambda x, w, b, *a: torch.zeros(2, 3))
+    assert not skinny_mod._onednn_available()  # runs but computes something else
