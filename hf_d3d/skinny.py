@@ -2,7 +2,7 @@
 
 A verify forward over k + 1 rows reads the same weights as a decode step, and on a CPU reading them is most of its
 cost. But fp32 ``F.linear`` (``x @ W.T``) over 2-16 rows leaves the matrix-vector kernel of one row for a GEMM
-that repacks the whole weight on every call: a SmolLM2-135M forward over 2-9 rows took 1.3-2.1 decode steps on the
+that repacks the whole weight on every call: a SmolLM2-135M forward over 2-13 rows took 1.3-2.1 decode steps on the
 two CPUs this was measured on. Within the fast loop, plain fp32 ``nn.Linear`` modules of the target and drafter on
 CPU therefore compute inputs of 2..``max_rows`` rows in all (verify forwards; also short prefills and small-batch
 decode steps inside the block) with a kernel that does not: oneDNN's linear over a weight packed once into its own
@@ -35,38 +35,54 @@ def _onednn_available() -> bool:
     try:
         if not torch.backends.mkldnn.is_available():
             return False
-        w, x = torch.arange(12.0).view(3, 4) / 8, torch.arange(8.0).view(2, 4) / 8  # not torch's RNG: no side effect
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        # fixed values, dtype and device: no use of torch's RNG or of the user's defaults
+        w = torch.arange(12, dtype=torch.float32, device="cpu").view(3, 4) / 8
+        x = torch.arange(8, dtype=torch.float32, device="cpu").view(2, 4) / 8
+        out = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
         return bool(torch.allclose(out, F.linear(x, w), atol=1e-5))
     except (AttributeError, RuntimeError, TypeError):
         return False
 
 
 ONEDNN = _onednn_available()
-# module -> (what its weight was when packed, the packed weight); dropped with the module
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, torch.Tensor]] = weakref.WeakKeyDictionary()
+# module -> (its weight's storage (weakly), layout and version when packed, the packed weight). Kept while the module
+# lives, so that each fast-loop call does not pack the whole model again (as much memory again as its fp32 linear
+# weights); replaced when the weight changes, dropped with the module.
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[weakref.ref, tuple, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def packed_weight(module: nn.Linear) -> torch.Tensor:
     """``module.weight`` in oneDNN's linear layout, packed on first use and again whenever the weight changes."""
     w = module.weight
-    key = (w.data_ptr(), w._version, w.shape, w.dtype)
+    storage = w.untyped_storage()
+    # The storage itself, not its address: a moved or re-cast weight frees its old storage, and a new one may get the
+    # same address. The version counter catches in-place writes (inference tensors have none, nor in-place use).
+    layout = (w.storage_offset(), w.stride(), w.shape, w.dtype, -1 if w.is_inference() else w._version)
     held = _PACKED.get(module)
-    if held is None or held[0] != key:
-        held = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+    if held is None or held[0]() is not storage or held[1] != layout:
+        held = (weakref.ref(storage), layout, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
         _PACKED[module] = held
-    return held[1]
+    return held[2]
+
+
+def _onednn_applies(module: nn.Linear, x: torch.Tensor) -> bool:
+    if not ONEDNN or not torch.backends.mkldnn.enabled or torch.is_autocast_enabled("cpu"):
+        return False
+    bias = module.bias
+    if x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return False  # F.linear's own dtype handling and errors
+    # oneDNN's op has no autograd: anything that would need a gradient goes through F.linear's path
+    return not torch.is_grad_enabled() or not (
+        x.requires_grad or module.weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
 
 
 def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int, min_rows: int = 2) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not min_rows <= rows <= max_rows:
         return F.linear(x, module.weight, module.bias)
-    trains = torch.is_grad_enabled() and module.weight.requires_grad
-    if ONEDNN and not trains and not torch.is_autocast_enabled("cpu"):
-        bias = None if module.bias is None else module.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(module), bias, "none", [], "")
+    if _onednn_applies(module, x):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(module), module.bias, "none", [], "")
     out = (module.weight @ x.reshape(rows, -1).T).T.contiguous()  # row-major again: sdpa's fast kernels need it
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)  # autocast may have computed the product in a lower precision

@@ -67,6 +67,7 @@ FLAGS = {"static", "fixed", "fp32", "chain", "noskinny", "fp16w", "transpose"}
 
 
 def plain_onednn(x):
+    skinny_mod.ONEDNN = True  # a +transpose runner before it may have switched it off
     with skinny_mod.skinny_linears(target, min_rows=1):
         return runners["plain"][0](x)
 

@@ -21,13 +21,30 @@ class _Scaled(nn.Linear):  # a Linear subclass (as quantized linears are): its o
         return 2 * super().forward(x)
 
 
+class Kernel(str):
+    onednn_calls: list[int]
+
+
 @pytest.fixture(params=["onednn", "transpose"])
 def kernel(request, monkeypatch):
-    """Each test runs with both few-row kernels: oneDNN's (where this torch has it) and (W @ x.T).T."""
-    if request.param == "onednn" and not skinny_mod.ONEDNN:
+    """Each test runs with both few-row kernels: oneDNN's (where this torch has it) and (W @ x.T).T; the oneDNN
+    calls are counted (rows per call)."""
+    have = skinny_mod.ONEDNN
+    if request.param == "onednn" and not have:
         pytest.skip("this torch build has no oneDNN")
     monkeypatch.setattr(skinny_mod, "ONEDNN", request.param == "onednn")
-    return request.param
+    out = Kernel(request.param)
+    out.onednn_calls = []
+    if not have:
+        return out
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def counting(x, *args):
+        out.onednn_calls.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(skinny_mod.torch.ops.mkldnn, "_linear_pointwise", counting)
+    return out
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -36,11 +53,13 @@ def test_values_match_linear_and_are_row_major(kernel, bias, shape):
     torch.manual_seed(0)
     lin = nn.Linear(7, 11, bias=bias)
     x = torch.randn(shape)
-    with skinny_linears(lin) as n:
+    with torch.no_grad(), skinny_linears(lin) as n:
         out = lin(x)
     assert n == 1
     assert out.shape == (*shape[:-1], 11) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias))
+    rows = x.numel() // 7
+    assert kernel.onednn_calls == ([rows] if kernel == "onednn" and 2 <= rows <= 16 else [])
 
 
 def test_scoped_and_restored_even_on_error():
@@ -95,28 +114,54 @@ def test_onednn_packs_once_and_again_when_the_weight_changes(monkeypatch):
     lin = nn.Linear(6, 5)
     x = torch.randn(3, 6)
     with torch.no_grad(), skinny_linears(lin):
+        lin(torch.randn(1, 6))
+        assert packs == []  # one row never packs
         first = lin(x)
-        lin(x), lin(torch.randn(4, 6)), lin(torch.randn(1, 6))  # packed once; one row never packs
-        assert len(packs) == 1
+        lin(x), lin(torch.randn(4, 6))
+        assert len(packs) == 1  # packed once
         lin.weight.mul_(2)  # changed in place: its packed copy is stale
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
         assert len(packs) == 2
         lin.weight = nn.Parameter(lin.weight / 2)  # replaced
         torch.testing.assert_close(lin(x), first)
         assert len(packs) == 3
+    for _ in range(10):  # a dtype round trip frees the storage; a new one may get its address: never stale
+        lin.bfloat16().float()
+        with torch.no_grad(), skinny_linears(lin):
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    with torch.inference_mode():  # weights made there have no version counter
+        made = nn.Linear(6, 5)
+    with torch.no_grad(), skinny_linears(made):
+        torch.testing.assert_close(made(x), F.linear(x, made.weight, made.bias))
 
 
-def test_gradients_flow_where_a_weight_trains(kernel):
-    lin = nn.Linear(6, 5)
-    x = torch.randn(3, 6, requires_grad=True)
-    with skinny_linears(lin):
-        lin(x).sum().backward()
-    ref = nn.Linear(6, 5)
+def test_onednn_check_ignores_the_default_dtype():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert skinny_mod._onednn_available() == skinny_mod.ONEDNN
+    finally:
+        torch.set_default_dtype(before)
+
+
+@pytest.mark.parametrize("trains", ["all", "input only (frozen layer)", "bias only"])
+def test_gradients_flow_wherever_one_is_needed(kernel, trains):
+    torch.manual_seed(0)
+    lin, ref = nn.Linear(6, 5), nn.Linear(6, 5)
     ref.load_state_dict(lin.state_dict())
-    x2 = x.detach().clone().requires_grad_(True)
-    ref(x2).sum().backward()
-    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
-    torch.testing.assert_close(x.grad, x2.grad)
+    for m in (lin, ref):
+        m.weight.requires_grad_(trains == "all")
+        m.bias.requires_grad_(trains != "input only (frozen layer)")
+    x = torch.randn(3, 6, requires_grad=trains != "bias only")
+    x2 = x.detach().clone().requires_grad_(x.requires_grad)
+    with skinny_linears(lin):
+        lin(x).square().sum().backward()
+    ref(x2).square().sum().backward()
+    assert kernel.onednn_calls == []  # oneDNN's op has no autograd
+    for a, b in ((lin.weight, ref.weight), (lin.bias, ref.bias), (x, x2)):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
 
 
 def test_bias_keeps_the_dtype_autocast_chose(kernel):
