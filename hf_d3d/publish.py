@@ -47,6 +47,8 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
     table = ["| prompts | tau | speedup | command |", "|---|---|---|---|"]
     for r in metrics["rows"]:
         speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "not measured"
+        if r.get("speedup") is not None and r.get("speedup_setting"):
+            speed += f" ({r['speedup_setting']})"
         if r.get("speedup_command"):
             speed += f" (`{r['speedup_command']}`)"
         hit = f", hit rate {r['hit_rate']:.0%}" if r.get("hit_rate") is not None else ""

@@ -144,3 +144,22 @@ def test_committed_pruned_drafter_is_lossless_and_keeps_its_tau(pair):
     ref = target.generate(x, **kw)
     assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
     assert torch.equal(speculative_generate(target, drafter, x, max_new_tokens=64), ref)
+
+
+def test_bench_records_the_generate_speedup_and_its_setting_on_the_card(tmp_path):
+    import json
+    import shutil
+
+    from hf_d3d.cli import main
+    from hf_d3d.publish import load_metrics, render_card
+
+    folder = shutil.copytree(DEFAULT_DRAFTER, tmp_path / "drafter")
+    args = ["bench", "--drafter", str(folder), "--methods", "plain,d3d_sync", "--num-prompts", "1"]
+    assert main([*args, "--max-new-tokens", "8", "--out", str(tmp_path / "r.json"), "--write-metrics"]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    row = next(r for r in load_metrics(folder)["rows"] if r["dataset"] == "gsm8k:test")
+    assert row["speedup"] == result["methods"]["d3d_sync"]["speedup"] and row["speedup_command"] == result["command"]
+    setting = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {torch.get_num_threads()} threads"
+    assert row["speedup_setting"].startswith(setting)
+    assert row["speedup_setting"].endswith("inside `hf_d3d.skinny_linears(target, drafter)`") == result["skinny"]
+    assert f"{row['speedup']:.2f}x ({row['speedup_setting']})" in render_card(folder, "someone/x", load_metrics(folder))
