@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 from conftest import VOCAB, make_drafter, tiny_target
 from hf_d3d import exact
 from hf_d3d.exact import EXACT_ATTENTION, exact_verification, is_exact, rows_match_decode
+from hf_d3d.modeling.generation_d3d import cache_kwarg
 from hf_d3d.speculative import speculative_generate
 
 TARGET = tiny_target("llama", layers=3).to(torch.bfloat16)
@@ -38,7 +39,7 @@ def test_verify_rows_run_one_attention_call_each(monkeypatch):
         assert calls == [12] * 3  # a prefill stays whole
         calls.clear()
         cache = out.past_key_values
-        TARGET(ids[:, 12:], past_key_values=cache)
+        TARGET(ids[:, 12:], **{cache_kwarg(TARGET): cache})
     assert calls == [1] * (8 * 3)  # 8 rows, 3 layers
 
 
@@ -117,10 +118,10 @@ def test_static_caches_and_padding_stay_right():
     ids = torch.randint(4, VOCAB, (1, 10))
     with torch.no_grad():
         cache = TARGET(ids[:, :6], attention_mask=mask[:, :6]).past_key_values
-        want = TARGET(ids[:, 6:], attention_mask=mask, past_key_values=cache).logits
+        want = TARGET(ids[:, 6:], attention_mask=mask, **{cache_kwarg(TARGET): cache}).logits
         cache.crop(-4)
         with exact_verification(TARGET), pytest.warns(UserWarning, match="keep their mask"):
-            got = TARGET(ids[:, 6:], attention_mask=mask, past_key_values=cache).logits
+            got = TARGET(ids[:, 6:], attention_mask=mask, **{cache_kwarg(TARGET): cache}).logits
     torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.02)
 
 
@@ -171,5 +172,5 @@ def test_exact_tree_rows_gather_their_keys(monkeypatch):
     with exact_verification(TARGET), torch.no_grad():
         cache = TARGET(torch.randint(4, VOCAB, (1, 5)), use_cache=True).past_key_values
         seen.clear()
-        TARGET(ids, past_key_values=cache, position_ids=pos, attention_mask=mask)
+        TARGET(ids, **{cache_kwarg(TARGET): cache}, position_ids=pos, attention_mask=mask)
     assert seen == [(6, True), (7, True), (7, True), (8, True)] * 3  # root, 20, 30 (sibling), 21 (child of 20)

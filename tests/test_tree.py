@@ -14,6 +14,7 @@ from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogits
 
 from conftest import VOCAB, make_drafter, tiny_target
 from hf_d3d import speculative_generate
+from hf_d3d.modeling.generation_d3d import cache_kwarg
 from hf_d3d.tree import DraftTree, build_tree, keep_path, tree_inputs, tree_size, verify_tree_greedy
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -103,14 +104,14 @@ def test_keep_path_leaves_the_cache_a_chain_forward_would(family):
     prompt = [7, 8, 9, 10]
     cache = DynamicCache()
     with torch.no_grad():
-        target(torch.tensor([prompt[:-1]]), past_key_values=cache)
+        target(torch.tensor([prompt[:-1]]), **{cache_kwarg(target): cache})
         # root 10 -> 20 -> 21 -> 22 ; root -> 30 ; 20 -> 31 -> 32: accept 20, 31, 32 (nodes 0, 4, 5)
         tree = DraftTree([20, 30, 21, 22, 31, 32], [-1, -1, 0, 2, 0, 4], [1, 1, 2, 3, 2, 3], [0] * 6)
         ids, pos, mask = tree_inputs(tree, prompt[-1:], 3, torch.device("cpu"), target.dtype, additive=False)
-        tree_logits = target(ids, past_key_values=cache, position_ids=pos, attention_mask=mask).logits[0]
+        tree_logits = target(ids, **{cache_kwarg(target): cache}, position_ids=pos, attention_mask=mask).logits[0]
         keep_path(cache, 3, [0, 4, 5])
         chain = DynamicCache()
-        chain_logits = target(torch.tensor([prompt + [20, 31, 32]]), past_key_values=chain).logits[0]
+        chain_logits = target(torch.tensor([prompt + [20, 31, 32]]), **{cache_kwarg(target): chain}).logits[0]
     assert cache.get_seq_length() == chain.get_seq_length() == 7
     for kept, ref in zip(cache.layers, chain.layers):
         torch.testing.assert_close(kept.keys, ref.keys, atol=1e-5, rtol=1e-5)
