@@ -218,9 +218,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         sync = result["methods"]["d3d_sync"]
         row = {"dataset": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens}
         row |= {"tau": sync["tau"], "command": result["command"]}
-        where = f"{torch.get_num_threads()} threads" if target.device.type == "cpu" else str(target.device)
-        if target.device.type == "cpu":
-            where = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {where}"
+        on_cpu = target.device.type == "cpu"
+        cpu = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {torch.get_num_threads()} threads"
+        where = cpu if on_cpu else str(target.device)
         if result.get("skinny"):
             where += ", inside `hf_d3d.skinny_linears(target, drafter)`"
         speed = {"speedup": sync["speedup"], "speedup_command": result["command"], "speedup_setting": where}
