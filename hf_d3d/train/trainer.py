@@ -42,6 +42,9 @@ class TrainConfig:
     slot_decay: float = 0.8
     max_ar_positions: int | None = 64
     freeze_embeddings: bool = True
+    # Freeze the mask vector and the lowest N layers (embeddings too): backward then stops at layer N, which is
+    # what makes a whole-LM drafter trainable on a few CPU cores; the upper layers learn to denoise.
+    freeze_layers: int = 0
     # With a draft vocabulary, train the softmax the drafter proposes from (and skip most of the LM head).
     draft_vocab_loss: bool = True
     mixed_precision: str = "no"
@@ -55,6 +58,8 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.freeze_layers < 0:
+            raise ValueError(f"freeze_layers must be at least 0, got {self.freeze_layers}")
         if self.num_blocks < 0:  # 0 is the AR peer's objective: no denoising blocks
             raise ValueError(f"num_blocks must be at least 0, got {self.num_blocks}")
 
@@ -139,9 +144,18 @@ def train(
         state = json.loads((ckpt / "trainer_state.json").read_text())
         drafter = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype)
         step, log = state["step"], state["log"]
-    if config.freeze_embeddings:
+    if config.freeze_layers >= dcfg.num_hidden_layers:
+        raise ValueError(
+            f"freeze_layers={config.freeze_layers} leaves none of {dcfg.num_hidden_layers} layers to train"
+        )
+    if config.freeze_embeddings or config.freeze_layers:
         drafter.get_input_embeddings().weight.requires_grad_(False)
         drafter.get_output_embeddings().weight.requires_grad_(False)
+    if config.freeze_layers:
+        if drafter.model.mask_embedding is not None:
+            drafter.model.mask_embedding.requires_grad_(False)
+        for layer in drafter.model.layers[: config.freeze_layers]:
+            layer.requires_grad_(False)
     drafter.train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
