@@ -115,7 +115,7 @@ def test_pickle_weights_are_never_loaded(saved):
 
 
 def test_committed_checkpoints_ship_the_current_remote_code():
-    """Every committed drafter's trust_remote_code files must be today's modeling/ files, not a stale copy."""
+    """Every committed drafter's trust_remote_code files must be today's hf_d3d/modeling/ files, not a stale copy."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -123,7 +123,9 @@ def test_committed_checkpoints_ship_the_current_remote_code():
     assert root / "checkpoints" / "SmolLM2-135M-Instruct-D3D" in folders
     for folder in folders:
         for name in REMOTE_FILES:
-            assert (folder / name).read_text() == (root / "modeling" / name).read_text(), f"{folder.name}/{name}"
+            assert (folder / name).read_text() == (root / "hf_d3d" / "modeling" / name).read_text(), (
+                f"{folder.name}/{name}"
+            )
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])

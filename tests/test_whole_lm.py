@@ -124,3 +124,24 @@ def test_shifted_drafter_trains_and_round_trips(tmp_path):
     drafter.eval().save_pretrained(tmp_path)
     again = D3DDrafterModel.from_pretrained(tmp_path)
     assert again.config.shifted_slots
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    family=st.sampled_from(["llama", "qwen3"]),
+    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=16),
+    max_new=st.integers(1, 40),
+    async_drafting=st.booleans(),
+    tree=st.booleans(),
+)
+def test_whole_lm_drafter_is_lossless_in_every_loop(family, prompt, max_new, async_drafting, tree):
+    """Shifted slots in the sync draft, the packed pass (hypothesis and bonus blocks) and draft trees."""
+    target, drafter = TARGETS[family], WHOLE[family]
+    x = torch.tensor([prompt])
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new)
+    out = speculative.speculative_generate(
+        target, drafter, x, max_new_tokens=max_new, async_drafting=async_drafting, tree=tree and not async_drafting
+    )
+    assert torch.equal(out, ref)
+    if async_drafting and drafter.last_stats.packed_passes:
+        assert drafter.last_stats.hits + drafter.last_stats.misses > 0
