@@ -351,7 +351,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
 def _cmd_prune(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.prune import make_healer, prune
+    from hf_d3d.prune import make_healer, prune, teacher_forced_judge
     from hf_d3d.targets import load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
     from hf_d3d.train.trainer import TrainConfig
@@ -372,8 +372,23 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
-    ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]
-    report = prune(target, drafter, ids, args.out, args.retention, args.target_depth, args.max_new_tokens, heal)
+    judge, ids = None, []
+    if args.judge_data:  # rank layers by teacher-forced tau on the target's answers (no target forwards)
+        records = load_records(*args.judge_data)
+        step = max(1, len(records) // args.judge_records)
+        judge = teacher_forced_judge(records[::step][: args.judge_records])
+    else:
+        ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]
+    holdout = None
+    if args.holdout_prompts:
+        holdout = [
+            chat_prompt_ids(tokenizer, p)
+            for source in args.holdout_prompts.split(",")
+            for p in load_prompts(source, args.field, args.num_holdout_prompts)
+        ]
+    report = prune(
+        target, drafter, ids, args.out, args.retention, args.target_depth, args.max_new_tokens, heal, judge, holdout
+    )
     print(
         f"{report['final_layers']} layers kept (removed {report['removed_layers']}): "
         f"tau {report['base_tau']:.3f} -> {report['final_tau']:.3f}; checkpoint in {Path(args.out) / 'model'}"
@@ -632,6 +647,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--field", default="question")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--judge-data",
+        nargs="+",
+        default=None,
+        help="judge layers by teacher-forced tau on these distillation folders / token files instead of running "
+        "generate on --prompts (no target forwards: affordable for a whole-LM drafter on a CPU)",
+    )
+    p.add_argument("--judge-records", type=int, default=16, help="answers (evenly spread) the offline judge uses")
+    p.add_argument(
+        "--holdout-prompts",
+        default=None,
+        help="comma-separated prompt sources the pruning never sees; the report measures tau on them before/after",
+    )
+    p.add_argument("--num-holdout-prompts", type=int, default=8, help="prompts per holdout source")
     p.add_argument("--retention", type=float, default=0.99)
     p.add_argument("--target-depth", type=int, default=None)
     p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0: no healing)")

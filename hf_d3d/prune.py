@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from hf_d3d.atomic import atomic_folder, write_json_atomic
-from hf_d3d.evaluate import measure_tau
+from hf_d3d.evaluate import measure_tau, teacher_forced_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel, _layer_state
 from hf_d3d.train.trainer import FINAL, TrainConfig, train
 
@@ -105,6 +105,21 @@ def tau_with_skipped(
         drafter.model.skip_layers = set()
 
 
+def teacher_forced_judge(records: list[dict], blocks_per_record: int = 8) -> Callable:
+    """A pruning judge that estimates tau from the target's own answers (no target forward; see
+    :func:`hf_d3d.evaluate.teacher_forced_tau`): what makes judging every layer of a whole-LM drafter affordable."""
+
+    def judge(drafter: D3DDrafterModel, skip: set[int]) -> float:
+        drafter.model.skip_layers = set(skip)
+        try:
+            return teacher_forced_tau(drafter, records, blocks_per_record)
+        finally:
+            drafter.model.skip_layers = set()
+
+    judge.description = f"teacher-forced tau on {len(records)} answers x {blocks_per_record} blocks"
+    return judge
+
+
 def prune(
     target: PreTrainedModel,
     drafter: D3DDrafterModel,
@@ -114,8 +129,20 @@ def prune(
     target_depth: int | None = None,
     max_new_tokens: int = 64,
     heal: Callable[[D3DDrafterModel, list[int]], None] | None = None,
+    judge: Callable[[D3DDrafterModel, set[int]], float] | None = None,
+    holdout_ids: list[list[int]] | None = None,
 ) -> dict:
-    """Prune ``drafter`` progressively; writes ``out_dir/model`` (smaller checkpoint), the report and a plot."""
+    """Prune ``drafter`` progressively; writes ``out_dir/model`` (smaller checkpoint), the report and a plot.
+
+    ``judge(drafter, skipped_layers)`` scores a candidate (default: measured tau on ``prompts_ids``).
+    ``holdout_ids``: prompts the pruning never saw, on which the report measures the tau of the drafter before
+    and after pruning (greedy, ``max_new_tokens``).
+    """
+    if judge is None:
+
+        def judge(model: D3DDrafterModel, skip: set[int]) -> float:
+            return tau_with_skipped(target, model, prompts_ids, skip, max_new_tokens)
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_layers = drafter.config.num_hidden_layers
@@ -124,7 +151,7 @@ def prune(
     if state_path.is_file():
         state = json.loads(state_path.read_text())
     else:
-        base = tau_with_skipped(target, drafter, prompts_ids, set(), max_new_tokens)
+        base = judge(drafter, set())
         state = {"base_tau": base, "removed": [], "steps": [{"layers": n_layers, "removed": None, "tau": base}]}
         write_json_atomic(state_path, state)
     base = state["base_tau"]
@@ -138,7 +165,7 @@ def prune(
         candidates = {}
         for layer in range(n_layers):
             if layer not in removed:
-                candidates[layer] = tau_with_skipped(target, drafter, prompts_ids, removed | {layer}, max_new_tokens)
+                candidates[layer] = judge(drafter, removed | {layer})
         best = max(candidates, key=lambda k: (candidates[k], k))
         step = {
             "layers": n_layers - len(removed) - 1,
@@ -150,7 +177,7 @@ def prune(
         if heal is not None:
             # With healing, the removal is judged by what the smaller drafter gives after its fine-tune.
             heal(drafter, state["removed"] + [best])
-            step["healed_tau"] = tau_with_skipped(target, drafter, prompts_ids, removed | {best}, max_new_tokens)
+            step["healed_tau"] = judge(drafter, removed | {best})
             step["healed_retention"] = step["healed_tau"] / base if base else 0.0
         keep_going = target_depth is not None or step.get("healed_tau", step["tau"]) >= retention * base
         step["accepted"] = keep_going
@@ -182,9 +209,17 @@ def prune(
         "final_tau": _tau_after(accepted[-1]),
         "healed": heal is not None,
         "steps": state["steps"],
+        "judge": getattr(judge, "description", "measured tau on the calibration prompts"),
         "calibration_prompts": len(prompts_ids),
         "max_new_tokens": max_new_tokens,
     }
+    if holdout_ids:
+        report["holdout"] = {
+            "prompts": len(holdout_ids),
+            "tau_before": measure_tau(target, drafter, holdout_ids, max_new_tokens)["tau"],
+            "tau_after": measure_tau(target, pruned, holdout_ids, max_new_tokens)["tau"],
+        }
+        report["holdout"]["retention"] = report["holdout"]["tau_after"] / report["holdout"]["tau_before"]
     with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
         pruned.save_pretrained(tmp)
         write_json_atomic(tmp / REPORT, report)

@@ -73,12 +73,23 @@ def main() -> None:
                 if i:
                     times.append(time.perf_counter() - start)
             sec = statistics.median(times)
-            row = {"shape": name, "precision": precision, "threads": torch.get_num_threads(), "sec_per_step": sec,
-                   "trained_tokens_per_sec": tokens / sec, "trainable_params": sum(p.numel() for p in params)}
+            row = {
+                "shape": name,
+                "precision": precision,
+                "threads": torch.get_num_threads(),
+                "sec_per_step": sec,
+                "trained_tokens_per_sec": tokens / sec,
+                "trainable_params": sum(p.numel() for p in params),
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
-    out = {"command": "python scripts/train_throughput.py " + " ".join(args.data), "batch_size": args.batch_size,
-           "num_blocks": args.num_blocks, "block_size": 8, "rows": rows}
+    out = {
+        "command": "python scripts/train_throughput.py " + " ".join(args.data),
+        "batch_size": args.batch_size,
+        "num_blocks": args.num_blocks,
+        "block_size": 8,
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -193,3 +193,29 @@ def test_grow_refuses_layers_it_cannot_add(trained, ids):
     target, _, _ = trained
     with pytest.raises(ValueError, match="layer_ids"):
         insert_layers(make_drafter(target, layers=2), target, ids)
+
+
+def test_teacher_forced_tau_is_exact_where_it_can_be(trained, heal_records, tmp_path):
+    """On the target's own greedy answers, the target converted whole with one-slot blocks is always right (tau 2
+    exactly); with longer blocks the estimate ranks drafters as measured tau does, and the judge prunes."""
+    from hf_d3d.evaluate import teacher_forced_tau
+    from hf_d3d.prune import teacher_forced_judge
+
+    target, drafter, prompts = trained
+    one = D3DDrafterModel.from_pretrained_lm(target, block_size=1)
+    assert teacher_forced_tau(one, heal_records) == 2.0
+    whole = D3DDrafterModel.from_pretrained_lm(target, block_size=4)
+    random = D3DDrafterModel.from_target(target, num_hidden_layers=1, block_size=4)
+    estimated = [teacher_forced_tau(m, heal_records) for m in (random, drafter, whole)]
+    measured = [measure_tau(target, m, prompts, 24)["tau"] for m in (random, drafter, whole)]
+    assert estimated[0] < estimated[2] and measured[0] < measured[2]
+    assert 1.0 <= min(estimated) and max(estimated) <= 5.0
+
+    judge = teacher_forced_judge(heal_records)
+    assert judge(drafter, {1}) == judge(drafter, set())  # the identity layer changes nothing
+    report = prune(target, drafter, [], tmp_path, target_depth=2, judge=judge, holdout_ids=prompts[:4])
+    assert report["judge"].startswith("teacher-forced")
+    assert report["steps"][1]["tau"] >= report["base_tau"]  # at least as good as removing the identity layer
+    assert report["holdout"]["tau_before"] == measure_tau(target, drafter, prompts[:4], 64)["tau"]
+    pruned = D3DDrafterModel.from_pretrained(tmp_path / "model")
+    assert report["holdout"]["tau_after"] == measure_tau(target, pruned, prompts[:4], 64)["tau"]
