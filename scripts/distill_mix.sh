@@ -7,8 +7,9 @@ OUT=${1:-${HF_D3D_CACHE:-$HOME/.cache/hf_d3d}/distill}
 D3D=${D3D:-.venv/bin/hf-d3d}
 COMMON=(--dtype bfloat16 --max-new-tokens 256 --max-prompt-tokens 384 --batch-size 16)
 $D3D distill --prompts sharegpt:train --num-prompts 1200 "${COMMON[@]}" --out "$OUT/sharegpt_train_0"
+$D3D distill --prompts gsm8k:train --num-prompts 1000 "${COMMON[@]}" --out "$OUT/gsm8k_train_0"
 $D3D distill --prompts sharegpt:code --skip-prompts 400 --num-prompts 600 "${COMMON[@]}" --out "$OUT/sharegpt_code_400"
-$D3D distill --prompts gsm8k:train --num-prompts 2000 "${COMMON[@]}" --out "$OUT/gsm8k_train_0"
+$D3D distill --prompts gsm8k:train --skip-prompts 1000 --num-prompts 2000 "${COMMON[@]}" --out "$OUT/gsm8k_train_1000"
 $D3D distill --prompts sharegpt:train --skip-prompts 1200 --num-prompts 2000 "${COMMON[@]}" --out "$OUT/sharegpt_train_1200"
 $D3D distill --prompts gsm8k:train --num-prompts 2000 --do-sample --temperature 0.7 --seed 1 "${COMMON[@]}" \
     --out "$OUT/gsm8k_train_0_t07"
