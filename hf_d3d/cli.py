@@ -190,7 +190,8 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
         if args.dtype != "float32" or args.exact:
             raise ValueError("--write-metrics records the card's fp32 speedup; leave out --dtype and --exact")
-    prompts = load_prompts(args.prompts, args.field, args.num_prompts)
+    # a mixed set: --num-prompts from each comma-separated source
+    prompts = [p for source in args.prompts.split(",") for p in load_prompts(source, args.field, args.num_prompts)]
     import torch
 
     target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
@@ -610,7 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep both drafters' linear weights in fp32 (default for fp32 drafters on x86 CPUs: stored in fp16 "
         "and multiplied in fp32, hf_d3d.fp16_weights)",
     )
-    p.add_argument("--prompts", default="gsm8k:test")
+    p.add_argument(
+        "--prompts", default="gsm8k:test", help="comma-separated sources (a mixed set: --num-prompts from each)"
+    )
     p.add_argument("--field", default="question")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
