@@ -11,6 +11,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from hf_d3d.atomic import atomic_folder
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "d3d_drafter.md"
+MODELING = Path(__file__).resolve().parent / "modeling"
 METRICS = "d3d_metrics.json"
 REMOTE_CODE = ("configuration_d3d.py", "modeling_d3d.py", "attention_d3d.py", "generation_d3d.py")
 REQUIRED = ("config.json", "model.safetensors", "generation_config.json", *REMOTE_CODE)
@@ -56,10 +57,11 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
     prune = checkpoint / "prune_report.json"
     if prune.is_file():
         rep = json.loads(prune.read_text())
+        judged = rep.get("judge") or f"measured tau on {rep['calibration_prompts']} calibration prompts"
         pruning = (
             f"Pruned from {rep['final_layers'] + len(rep['removed_layers'])} to {rep['final_layers']} layers "
             f"(removed target layers {rep['removed_target_layers']}); tau {rep['base_tau']:.2f} -> "
-            f"{rep['final_tau']:.2f} on {rep['calibration_prompts']} calibration prompts"
+            f"{rep['final_tau']:.2f} ({judged})"
             + (", each removal healed by a short fine-tune." if rep.get("healed") else ".")
         )
     else:
@@ -117,6 +119,13 @@ def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:
     missing = [f for f in REQUIRED if not (checkpoint / f).is_file()]
     if missing:
         raise PublishError(f"{checkpoint} is not a saved D3D drafter: missing {missing}")
+    stale = [f for f in REMOTE_CODE if (checkpoint / f).read_bytes() != (MODELING / f).read_bytes()]
+    if stale:
+        # Users load a repo's own copy of the code: one that differs from what was tested is refused, not uploaded.
+        raise PublishError(
+            f"{checkpoint}: {', '.join(stale)} differs from the installed hf_d3d's remote code; re-save the drafter "
+            "with this version (D3DDrafterModel.from_pretrained(path).save_pretrained(path)) before publishing"
+        )
     metrics = load_metrics(checkpoint)
     card = render_card(checkpoint, repo_id, metrics)
     with atomic_folder(out, overwrite=True) as tmp:
