@@ -13,10 +13,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import hub_standin
 import pytest
 import torch
 
-import hub_standin
 from conftest import make_drafter, tiny_target
 from hf_d3d.publish import METRICS, PublishError, assemble, publish
 
@@ -24,9 +24,9 @@ TESTS = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 
 # Run in a fresh process, as a user would: HF_ENDPOINT is read when huggingface_hub is imported.
-LOAD_AND_GENERATE = """
+LOAD_AND_GENERATE = f"""
 import sys, json, torch
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {str(TESTS)!r})
 from conftest import tiny_target
 from transformers import AutoModelForCausalLM
 repo, revision = sys.argv[1], sys.argv[2] or None
@@ -38,7 +38,7 @@ out = target.generate(x, assistant_model=drafter, **kw)
 plain = target.generate(x, **kw)
 print(json.dumps({{"class": type(drafter).__name__, "block": drafter.config.block_size,
                   "module": type(drafter).__module__, "identical": bool(torch.equal(out, plain))}}))
-""".format(tests=str(TESTS))
+"""
 
 
 def _run_client(repo: str, env: dict, revision: str = "") -> dict:
