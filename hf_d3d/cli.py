@@ -288,8 +288,10 @@ def _update_metrics(drafter: str | None, row: dict, always: dict | None = None) 
 
 def _cmd_demo(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
-    from hf_d3d.demo import report, run_demo
+    from hf_d3d.demo import no_outside_requests, report, run_demo
     from hf_d3d.targets import load_drafter, load_target
+
+    no_outside_requests()
 
     print(f"loading target {args.target or 'HuggingFaceTB/SmolLM2-135M-Instruct (embedded)'} ...", flush=True)
     target, tokenizer = load_target(args.target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -28,6 +29,16 @@ class DemoResult:
     tau: float
     identical: bool
     new_tokens: int
+
+
+def no_outside_requests() -> None:
+    """Switch off what would call home: Gradio's analytics and the Hub's telemetry (the demo and the Space make no
+    request beyond loading the models they are asked to load)."""
+    import huggingface_hub.constants
+
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # read when a gr.Blocks is built
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"  # for processes started from here
+    huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY = True  # read at import time: set it in this process too
 
 
 def validate_request(prompt: str, max_new_tokens: int, tokenizer: PreTrainedTokenizerBase, context: int) -> list[int]:

@@ -61,3 +61,20 @@ def test_demo_request_validation(prompt, max_new, message):
 
 def test_demo_request_accepts_a_normal_prompt():
     assert validate_request("5 6 7", 16, ToyTokenizer(), context=512) == [5, 6, 7]
+
+
+def test_demo_and_space_make_no_outside_requests(monkeypatch):
+    import gradio as gr
+    import huggingface_hub.constants
+
+    from hf_d3d.demo import no_outside_requests
+
+    monkeypatch.delenv("GRADIO_ANALYTICS_ENABLED", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", False)
+    no_outside_requests()
+    assert huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY is True
+    with gr.Blocks() as blocks:
+        gr.Markdown("x")
+    assert blocks.analytics_enabled is False
+    monkeypatch.delenv("GRADIO_ANALYTICS_ENABLED")  # restore what the test changed
+    monkeypatch.delenv("HF_HUB_DISABLE_TELEMETRY", raising=False)

@@ -1,7 +1,8 @@
 """Gradio Space: plain decoding vs D3D side by side, with live tokens/s and draft tokens coloured by outcome.
 
 Environment: D3D_TARGET (Hub id or folder; default the embedded SmolLM2-135M-Instruct) and D3D_DRAFTER (Hub id or
-folder; default the drafter committed in this repo). On a Space, set both to Hub ids.
+folder; default the drafter committed in this repo). On a Space, set both to Hub ids. Gradio analytics and Hub
+telemetry are off: the app makes no outside request beyond loading those two models.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 from transformers import TextIteratorStreamer
 
 from hf_d3d import check_pair, speculative_generate
-from hf_d3d.demo import DEFAULT_PROMPT, MAX_NEW_TOKENS_LIMIT, validate_request
+from hf_d3d.demo import DEFAULT_PROMPT, MAX_NEW_TOKENS_LIMIT, no_outside_requests, validate_request
 from hf_d3d.targets import load_drafter, load_target
+
+no_outside_requests()
 
 TARGET, TOKENIZER = load_target(os.environ.get("D3D_TARGET"))
 DRAFTER = load_drafter(os.environ.get("D3D_DRAFTER"), fp16_weights=True)  # fp16-stored weights on x86 CPUs
