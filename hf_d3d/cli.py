@@ -95,7 +95,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         warmup_steps=args.warmup_steps,
         num_blocks=0 if autoregressive else args.num_blocks,
         ar_weight=1.0 if autoregressive else args.ar_weight,
-        max_ar_positions=None if autoregressive else TrainConfig.max_ar_positions,
+        max_ar_positions=None if autoregressive or not args.max_ar_positions else args.max_ar_positions,
         slot_decay=args.slot_decay,
         freeze_embeddings=not args.train_embeddings,
         freeze_layers=args.freeze_layers,
@@ -558,6 +558,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="d3d",
         choices=["d3d", "ar"],
         help="d3d: denoising + auxiliary next-token loss; ar: next-token loss only (then `hf-d3d export-ar`)",
+    )
+    p.add_argument(
+        "--max-ar-positions",
+        type=int,
+        default=64,
+        help="response positions per sequence that carry the auxiliary next-token loss (0: all of them; a whole-LM "
+        "drafter keeps its next-token predictions, which its first slot reads, with more)",
     )
     p.add_argument("--slot-decay", type=float, default=0.8)
     p.add_argument(
