@@ -99,6 +99,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         slot_decay=args.slot_decay,
         freeze_embeddings=not args.train_embeddings,
         freeze_layers=args.freeze_layers,
+        adapters_only=args.block_adapter_rank > 0,
         draft_vocab_loss=not args.full_vocab_loss,
         mixed_precision=args.mixed_precision,
         save_dtype=args.save_dtype,
@@ -111,7 +112,9 @@ def _cmd_train(args: argparse.Namespace) -> None:
     if args.init_from:
         drafter = D3DDrafterModel.from_pretrained(args.init_from)
     elif args.whole_lm:
-        drafter = _whole_lm_drafter(args.whole_lm, target, tokenizer, args.block_size)
+        drafter = _whole_lm_drafter(
+            args.whole_lm, target, tokenizer, args.block_size, args.block_adapter_rank, args.block_adapter_top
+        )
     else:
         layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
         drafter = D3DDrafterModel.from_target(
@@ -141,15 +144,21 @@ def _cmd_train(args: argparse.Namespace) -> None:
     print(f"trained drafter saved to {final}")
 
 
-def _whole_lm_drafter(lm: str, target, tokenizer, block_size: int):
-    """A drafter converted from a whole LM: ``target`` (the target itself) or a same-tokenizer LM's id or folder."""
+def _whole_lm_drafter(lm: str, target, tokenizer, block_size: int, adapter_rank: int = 0, adapter_top: int = 0):
+    """A drafter converted from a whole LM: ``target`` (the target itself) or a same-tokenizer LM's id or folder;
+    with ``adapter_rank``, block adapters in its top ``adapter_top`` layers (all if 0)."""
     from hf_d3d.checks import tokenizer_fingerprint
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
     from hf_d3d.targets import load_target
 
     source = target if lm == "target" else load_target(lm)[0]
+    n = source.config.get_text_config().num_hidden_layers
+    adapters = {}
+    if adapter_rank:
+        layers = list(range(n - adapter_top, n)) if adapter_top else None
+        adapters = {"block_adapter_rank": adapter_rank, "block_adapter_layers": layers}
     return D3DDrafterModel.from_pretrained_lm(
-        source, block_size=block_size, target=target, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)
+        source, block_size=block_size, target=target, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), **adapters
     )
 
 
@@ -379,7 +388,9 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     if args.judge_data:  # rank layers by teacher-forced tau on the target's answers (no target forwards)
         records = load_records(*args.judge_data)
         step = max(1, len(records) // args.judge_records)
-        judge = teacher_forced_judge(records[::step][: args.judge_records])
+        # answers cut to their first 128 tokens: every candidate layer is judged, so each judgement must be cheap
+        chosen = [{**r, "response_ids": r["response_ids"][:128]} for r in records[::step][: args.judge_records]]
+        judge = teacher_forced_judge(chosen)
     else:
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]
     holdout = None
@@ -536,6 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a whole pretrained LM converted to a drafter: 'target' (the target itself) or a "
         "same-tokenizer LM's Hub id or folder (e.g. Qwen/Qwen3-1.7B for a Qwen3-8B target)",
     )
+    p.add_argument(
+        "--block-adapter-rank",
+        type=int,
+        default=0,
+        help="with --whole-lm: give block tokens low-rank adapters of this rank and train those alone (the LM's own "
+        "computation, and so its next-token predictions, stay exact)",
+    )
+    p.add_argument("--block-adapter-top", type=int, default=0, help="adapters in the top N layers only (0: all)")
     p.add_argument(
         "--freeze-layers",
         type=int,

@@ -48,6 +48,10 @@ def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
     config.num_hidden_layers = len(keep)
     source_ids = drafter.config.target_layer_ids or list(range(drafter.config.num_hidden_layers))
     config.target_layer_ids = [source_ids[i] for i in keep]
+    if config.block_adapter_layers is not None:
+        config.block_adapter_layers = [
+            new for new, old in enumerate(keep) if old in drafter.config.block_adapter_layers
+        ]
     pruned = D3DDrafterModel(config).to(dtype=drafter.dtype, device=drafter.device)
     renumbered = _renumber_layers(drafter.state_dict(), {old: new for new, old in enumerate(keep)})
     pruned.load_state_dict(renumbered, strict=True)

@@ -145,3 +145,60 @@ def test_whole_lm_drafter_is_lossless_in_every_loop(family, prompt, max_new, asy
     assert torch.equal(out, ref)
     if async_drafting and drafter.last_stats.packed_passes:
         assert drafter.last_stats.hits + drafter.last_stats.misses > 0
+
+
+def _with_adapters(family: str, rank: int = 4, layers: list[int] | None = None) -> D3DDrafterModel:
+    torch.manual_seed(3)
+    return D3DDrafterModel.from_pretrained_lm(
+        TARGETS[family], block_size=4, block_adapter_rank=rank, block_adapter_layers=layers
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_block_adapters_start_as_no_change_and_never_touch_the_context(family):
+    plain, adapted = WHOLE[family], _with_adapters(family, layers=[1, 2])
+    assert adapted.model.layers[0].self_attn.block_adapters is None
+    assert set(adapted.model.layers[1].mlp.block_adapters) == {"gate_proj", "up_proj", "down_proj"}
+    x = torch.tensor([[5, 9, 17, 33, 40, 41, 50]])
+    ids, layout = pack_blocks(x, 0, [3, 6], 4, 0)
+    with torch.no_grad():
+        before = plain(ids, layout=layout, use_cache=False).logits
+        torch.testing.assert_close(adapted(ids, layout=layout, use_cache=False).logits, before, rtol=0, atol=0)
+        for p in (p for n, p in adapted.named_parameters() if "block_adapters" in n):
+            p.normal_(std=0.5)
+        after = adapted(ids, layout=layout, use_cache=False).logits
+    ctx = layout.num_context
+    torch.testing.assert_close(after[:, :ctx], before[:, :ctx], rtol=0, atol=0)  # context: the LM, exactly
+    first = layout.is_slot[0] & (torch.arange(ids.shape[1]) == ctx) | (torch.arange(ids.shape[1]) == ctx + 4)
+    torch.testing.assert_close(after[0, first], before[0, first], rtol=0, atol=0)  # first slots read the anchors
+    assert not torch.allclose(after[0, ctx + 1], before[0, ctx + 1])  # the others learn to look ahead
+
+
+def test_training_block_adapters_keeps_the_lms_predictions(tmp_path):
+    from hf_d3d.train.trainer import TrainConfig, train
+
+    target = TARGETS["qwen3"]
+    records = [{"prompt_ids": [5, 6, 7 + i], "response_ids": [8 + i, 9, 10, 11, 12, 13, EOS]} for i in range(8)]
+    drafter = _with_adapters("qwen3", rank=4, layers=[2])
+    start = {k: v.clone() for k, v in drafter.state_dict().items()}
+    cfg = TrainConfig(max_steps=3, batch_size=4, lr=1e-2, warmup_steps=1, eval_every=100, adapters_only=True)
+    trained = D3DDrafterModel.from_pretrained(train(drafter, records, tmp_path / "run", cfg))
+    assert trained.config.block_adapter_rank == 4 and trained.config.block_adapter_layers == [2]
+    changed = {k for k, v in trained.state_dict().items() if not torch.equal(v, start[k])}
+    assert changed and all("block_adapters" in k for k in changed)
+    x = torch.tensor([[7, 8, 9, 10, 11, 12]])
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=20, eos_token_id=None)
+    plain = target.generate(x, **kw)
+    assert torch.equal(target.generate(x, assistant_model=trained, **kw), plain)
+    assert min(trained.last_stats.acceptance_lengths) >= 1  # the first slot is still the target's own token
+    with pytest.raises(ValueError, match="block adapters"):
+        train(WHOLE["qwen3"], records, tmp_path / "bad", cfg)
+
+
+def test_pruning_keeps_the_adapters_of_the_kept_layers():
+    from hf_d3d.prune import drop_layers
+
+    drafter = _with_adapters("llama", layers=[0, 2])
+    pruned = drop_layers(drafter, [1])
+    assert pruned.config.block_adapter_layers == [0, 1]
+    assert pruned.model.layers[1].self_attn.block_adapters is not None

@@ -65,6 +65,35 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+class D3DBlockAdapter(nn.Module):
+    """A low-rank update of one projection that only block tokens (the rows after the forward's context) receive.
+
+    Context tokens keep the converted LM's exact computation, so its next-token predictions, which a shifted
+    drafter's first slot reads, survive training; the block tokens learn to look further ahead.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.down = nn.Linear(in_features, rank, bias=False)
+        self.up = nn.Parameter(torch.zeros(out_features, rank))  # zero: a new adapter changes nothing
+
+    def forward(self, x: torch.Tensor, num_context: int) -> torch.Tensor:
+        delta = F.linear(self.down(x[:, num_context:]), self.up)
+        return F.pad(delta, (0, 0, num_context, 0))  # zero for the context rows
+
+
+def _adapters(config: D3DConfig, layer_idx: int, shapes: dict[str, tuple[int, int]]) -> nn.ModuleDict | None:
+    layers = config.block_adapter_layers
+    if not config.block_adapter_rank or (layers is not None and layer_idx not in layers):
+        return None
+    return nn.ModuleDict({k: D3DBlockAdapter(i, o, config.block_adapter_rank) for k, (i, o) in shapes.items()})
+
+
+def _project(linear: nn.Linear, adapters: nn.ModuleDict | None, name: str, x: torch.Tensor, num_context: int):
+    out = linear(x)
+    return out if adapters is None else out + adapters[name](x, num_context)
+
+
 class D3DAttention(nn.Module):
     def __init__(self, config: D3DConfig, layer_idx: int):
         super().__init__()
@@ -78,12 +107,16 @@ class D3DAttention(nn.Module):
         if config.use_qk_norm:
             self.q_norm = D3DRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = D3DRMSNorm(self.head_dim, config.rms_norm_eps)
+        h, q_out, kv_out = config.hidden_size, self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        shapes = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h)}
+        self.block_adapters = _adapters(config, layer_idx, shapes)
 
     def forward(self, x, cos, sin, mask, cache: DynamicCache | None, num_context: int) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        ad = self.block_adapters
+        q = _project(self.q_proj, ad, "q_proj", x, num_context).view(b, t, self.n_heads, self.head_dim)
+        k = _project(self.k_proj, ad, "k_proj", x, num_context).view(b, t, self.n_kv, self.head_dim)
+        v = _project(self.v_proj, ad, "v_proj", x, num_context).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
@@ -93,32 +126,40 @@ class D3DAttention(nn.Module):
             k = torch.cat([k_ctx, k[:, :, num_context:]], dim=2)
             v = torch.cat([v_ctx, v[:, :, num_context:]], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return _project(self.o_proj, ad, "o_proj", out.transpose(1, 2).reshape(b, t, -1), num_context)
 
 
 class D3DMLP(nn.Module):
-    def __init__(self, config: D3DConfig):
+    def __init__(self, config: D3DConfig, layer_idx: int):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
         self.act = ACT2FN[config.hidden_act]
+        self.block_adapters = _adapters(
+            config, layer_idx, {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, num_context: int) -> torch.Tensor:
+        ad = self.block_adapters
+        gated = self.act(_project(self.gate_proj, ad, "gate_proj", x, num_context))
+        return _project(
+            self.down_proj, ad, "down_proj", gated * _project(self.up_proj, ad, "up_proj", x, num_context), num_context
+        )
 
 
 class D3DDecoderLayer(nn.Module):
     def __init__(self, config: D3DConfig, layer_idx: int):
         super().__init__()
         self.self_attn = D3DAttention(config, layer_idx)
-        self.mlp = D3DMLP(config)
+        self.mlp = D3DMLP(config, layer_idx)
         self.input_layernorm = D3DRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = D3DRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache, num_context):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, num_context)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), num_context)
 
 
 class D3DPreTrainedModel(PreTrainedModel):
@@ -136,6 +177,8 @@ class D3DPreTrainedModel(PreTrainedModel):
             # from_pretrained leaves non-persistent buffers empty and relies on this to fill them
             with torch.no_grad():
                 module.inv_freq.copy_(module.compute_inv_freq()[0])
+        elif isinstance(module, D3DBlockAdapter):
+            nn.init.zeros_(module.up)  # a new adapter changes nothing until it is trained
         elif isinstance(module, D3DBackbone) and module.mask_embedding is not None:
             nn.init.normal_(module.mask_embedding, std=self.config.initializer_range)
 
@@ -437,7 +480,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             drafter.lm_head.load_state_dict(target.get_output_embeddings().state_dict())
         for mine, theirs in zip(drafter.model.layers, layer_ids):
             missing, unexpected = mine.load_state_dict(_layer_state(source.layers[theirs]), strict=False)
-            if unexpected or any("norm" not in k for k in missing):
+            if unexpected or any("norm" not in k and "block_adapters" not in k for k in missing):
                 raise ValueError(f"target layer {theirs} does not map onto a D3D layer: {missing} {unexpected}")
         if mask_token_id is None:
             # Start the learned mask vector at the mean token embedding: a neutral point the training moves from.

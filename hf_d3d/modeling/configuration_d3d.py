@@ -21,6 +21,10 @@ class D3DConfig(PreTrainedConfig):
             causal LM's own next-token prediction), so a drafter converted from a whole LM starts from that LM's
             predictions. Either way a slot proposes the token at its own position; only where its logits come from
             differs. The anchor must be one of the forward's context tokens, which every caller arranges.
+        block_adapter_rank: rank of low-rank updates that only block tokens receive, in every projection of the
+            layers ``block_adapter_layers`` (all layers if ``None``); 0 for none. Context tokens then run the
+            converted LM's exact computation, so training the adapters alone teaches the slots to look ahead
+            without touching the LM's own next-token predictions (which a shifted first slot reads).
         async_drafting: draft the next block for likely verification outcomes while the target verifies;
             ``None`` means on where it helps (CUDA) and off elsewhere.
         num_hypotheses: how many (acceptance length, correction token) outcomes one packed pass drafts for.
@@ -65,6 +69,8 @@ class D3DConfig(PreTrainedConfig):
     target_model_type: str | None = None
     target_layer_ids: list[int] | None = None
     shifted_slots: bool = False
+    block_adapter_rank: int = 0
+    block_adapter_layers: list[int] | None = None
     tokenizer_fingerprint: str | None = None
     async_drafting: bool | None = None
     num_hypotheses: int = 4
@@ -97,6 +103,14 @@ class D3DConfig(PreTrainedConfig):
         for device, costs in (self.round_cost or {}).items():
             if not costs or any(not c > 0 for c in costs):
                 raise ValueError(f"round_cost[{device!r}] must be a non-empty list of positive costs, got {costs}")
+        if self.block_adapter_rank < 0:
+            raise ValueError(f"block_adapter_rank must be >= 0, got {self.block_adapter_rank}")
+        if self.block_adapter_layers is not None and any(
+            not 0 <= i < self.num_hidden_layers for i in self.block_adapter_layers
+        ):
+            raise ValueError(
+                f"block_adapter_layers must lie in [0, {self.num_hidden_layers}), got {self.block_adapter_layers}"
+            )
         if self.num_hypotheses < 1:
             raise ValueError(f"num_hypotheses must be >= 1, got {self.num_hypotheses}")
 

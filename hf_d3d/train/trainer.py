@@ -45,6 +45,9 @@ class TrainConfig:
     # Freeze the mask vector and the lowest N layers (embeddings too): backward then stops at layer N, which is
     # what makes a whole-LM drafter trainable on a few CPU cores; the upper layers learn to denoise.
     freeze_layers: int = 0
+    # Train the block adapters alone (a drafter with block_adapter_rank > 0): the converted LM stays exactly as it
+    # was, and so do its next-token predictions; backward stops at the lowest layer with adapters.
+    adapters_only: bool = False
     # With a draft vocabulary, train the softmax the drafter proposes from (and skip most of the LM head).
     draft_vocab_loss: bool = True
     mixed_precision: str = "no"
@@ -144,6 +147,11 @@ def train(
         state = json.loads((ckpt / "trainer_state.json").read_text())
         drafter = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype)
         step, log = state["step"], state["log"]
+    if config.adapters_only:
+        if not dcfg.block_adapter_rank:
+            raise ValueError("adapters_only needs a drafter with block adapters (block_adapter_rank > 0)")
+        for name, p in drafter.named_parameters():
+            p.requires_grad_("block_adapters" in name)
     if config.freeze_layers >= dcfg.num_hidden_layers:
         raise ValueError(
             f"freeze_layers={config.freeze_layers} leaves none of {dcfg.num_hidden_layers} layers to train"
