@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 FORMAT = "hf-d3d-tokens/1"
 
@@ -72,11 +72,9 @@ def read_token_file(path: str | Path) -> tuple[list[dict], dict]:
     if not path.is_file():
         raise FileNotFoundError(f"token file not found: {path}")
     try:
-        arrays = load_file(str(path))
-        from safetensors import safe_open
-
-        with safe_open(str(path), "np") as f:
+        with safe_open(str(path), "np") as f:  # one read gives the arrays and the header's metadata
             meta = f.metadata() or {}
+            arrays = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable token file (truncated or corrupt?): {err}") from err
     if meta.get("format") != FORMAT or set(arrays) != {"tokens", "offsets", "prompt_lengths"}:
