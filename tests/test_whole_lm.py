@@ -143,8 +143,9 @@ def test_whole_lm_drafter_is_lossless_in_every_loop(family, prompt, max_new, asy
         target, drafter, x, max_new_tokens=max_new, async_drafting=async_drafting, tree=tree and not async_drafting
     )
     assert torch.equal(out, ref)
-    if async_drafting and drafter.last_stats.packed_passes:
-        assert drafter.last_stats.hits + drafter.last_stats.misses > 0
+    stats = drafter.last_stats
+    if async_drafting and stats.rounds > 1:  # every round after the first joins the previous packed pass
+        assert stats.packed_passes > 0 and stats.hits + stats.misses > 0
 
 
 def _with_adapters(family: str, rank: int = 4, layers: list[int] | None = None) -> D3DDrafterModel:
