@@ -74,7 +74,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair, tokenizer_fingerprint
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.targets import load_target
+    from hf_d3d.targets import load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
     from hf_d3d.train.trainer import TrainConfig, epochs_to_steps, train
 
@@ -110,11 +110,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(args.target)
     resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
     if args.init_from:
-        drafter = D3DDrafterModel.from_pretrained(args.init_from)
+        drafter = load_drafter(args.init_from, dtype="float32")
     elif args.whole_lm:
-        drafter = _whole_lm_drafter(
-            args.whole_lm, target, tokenizer, args.block_size, args.block_adapter_rank, args.block_adapter_top
-        )
+        adapters = (args.block_adapter_rank, args.block_adapter_top)
+        drafter = _whole_lm_drafter(args.whole_lm, args.target, target, tokenizer, args.block_size, *adapters)
     else:
         layer_ids = [int(i) for i in args.layer_ids.split(",")] if args.layer_ids else None
         drafter = D3DDrafterModel.from_target(
@@ -144,21 +143,30 @@ def _cmd_train(args: argparse.Namespace) -> None:
     print(f"trained drafter saved to {final}")
 
 
-def _whole_lm_drafter(lm: str, target, tokenizer, block_size: int, adapter_rank: int = 0, adapter_top: int = 0):
+def _whole_lm_drafter(
+    lm: str, target_id: str | None, target, tokenizer, block_size: int, adapter_rank: int = 0, adapter_top: int = 0
+):
     """A drafter converted from a whole LM: ``target`` (the target itself) or a same-tokenizer LM's id or folder;
-    with ``adapter_rank``, block adapters in its top ``adapter_top`` layers (all if 0)."""
+    with ``adapter_rank``, block adapters in its top ``adapter_top`` layers (all if 0). Its ``base_model`` is the
+    LM's id as given (the Hub id, not the local copy it was read from)."""
     from hf_d3d.checks import tokenizer_fingerprint
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-    from hf_d3d.targets import load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_target
 
     source = target if lm == "target" else load_target(lm)[0]
+    base = (target_id or DEFAULT_TARGET) if lm == "target" else lm
     n = source.config.get_text_config().num_hidden_layers
     adapters = {}
     if adapter_rank:
         layers = list(range(n - adapter_top, n)) if adapter_top else None
         adapters = {"block_adapter_rank": adapter_rank, "block_adapter_layers": layers}
     return D3DDrafterModel.from_pretrained_lm(
-        source, block_size=block_size, target=target, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), **adapters
+        source,
+        block_size=block_size,
+        target=target,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        base_model=base,
+        **adapters,
     )
 
 
@@ -167,7 +175,7 @@ def _cmd_convert(args: argparse.Namespace) -> None:
     from hf_d3d.targets import load_target
 
     target, tokenizer = load_target(args.target)
-    drafter = _whole_lm_drafter(args.lm, target, tokenizer, args.block_size)
+    drafter = _whole_lm_drafter(args.lm, args.target, target, tokenizer, args.block_size)
     check_pair(target, drafter, tokenizer)
     drafter.save_pretrained(args.out)
     n = drafter.config.num_hidden_layers

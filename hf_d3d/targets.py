@@ -120,7 +120,10 @@ def load_drafter(
         dtype = torch.float32
     path = name_or_path or DEFAULT_DRAFTER
     try:
-        drafter = D3DDrafterModel.from_pretrained(path, dtype=dtype)
+        base = D3DDrafterModel.config_class.from_pretrained(path).base_model
+        # a drafter stored without its base LM fetches it; the embedded default comes from its local copy
+        local_base = {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
+        drafter = D3DDrafterModel.from_pretrained(path, dtype=dtype, **local_base)
     except OSError as err:
         raise OSError(
             f"Cannot load drafter {path!r}: not a local folder and the Hub is not reachable (offline or unknown id). "

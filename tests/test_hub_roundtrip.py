@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import make_drafter, tiny_target
+from hf_d3d import D3DDrafterModel
 from hf_d3d.publish import METRICS, PublishError, assemble, publish
 
 TESTS = Path(__file__).resolve().parent
@@ -36,7 +37,9 @@ x = torch.tensor([[5, 9, 17, 33, 40, 41]])
 kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24, eos_token_id=None)
 out = target.generate(x, assistant_model=drafter, **kw)
 plain = target.generate(x, **kw)
-print(json.dumps({{"class": type(drafter).__name__, "block": drafter.config.block_size,
+want = drafter.config.base_model_checksum  # set where the drafter was converted from a whole LM
+base_ok = want is None or abs(drafter.base_checksum() - want) <= 1e-9 * want
+print(json.dumps({{"class": type(drafter).__name__, "block": drafter.config.block_size, "base_ok": base_ok,
                   "module": type(drafter).__module__, "identical": bool(torch.equal(out, plain))}}))
 """
 
@@ -82,6 +85,20 @@ def olah(tmp_path_factory):
     make_drafter(target, block_size=2).save_pretrained(repo)
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "block 2")
+    # A whole-LM drafter stored as its block adapters alone, whose base LM is another repo of the same Hub.
+    base = root / "mirrors" / "models" / "org" / "tiny-base"
+    target.save_pretrained(base)
+    adapters = root / "mirrors" / "models" / "org" / "tiny-d3d-adapters"
+    whole = D3DDrafterModel.from_pretrained_lm(target, block_size=4, block_adapter_rank=4, base_model="org/tiny-base")
+    with torch.no_grad():
+        for name, p in whole.named_parameters():
+            if "block_adapters" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    whole.save_pretrained(adapters, omit_base_weights=True)
+    for folder in (base, adapters):
+        _git(folder, "init", "-q", "-b", "main")
+        _git(folder, "add", "-A")
+        _git(folder, "commit", "-qm", "first")
     port = _free_port()
     (root / "configs.toml").write_text(
         f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "cache"}"\n'
@@ -107,13 +124,28 @@ def test_download_by_repo_id_through_olah(olah, tmp_path):
     endpoint, first, _ = olah
     env = _client_env(tmp_path, endpoint)
     latest = _run_client("org/tiny-d3d", env)
-    assert latest == {"class": "D3DDrafterModel", "block": 2, "module": latest["module"], "identical": True}
+    assert latest == {
+        "class": "D3DDrafterModel",
+        "block": 2,
+        "module": latest["module"],
+        "identical": True,
+        "base_ok": True,
+    }
     assert latest["module"].startswith("transformers_modules")  # the repo's own remote code, not hf_d3d
     pinned = _run_client("org/tiny-d3d", env, revision=first)
     assert pinned["block"] == 4 and pinned["identical"]
     # Reuse from the cache with the Hub switched off: nothing is fetched.
     offline = _run_client("org/tiny-d3d", {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"})
     assert offline["block"] == 2 and offline["identical"]
+
+
+def test_drafter_without_base_weights_fetches_its_base_by_repo_id(olah, tmp_path):
+    endpoint, _, _ = olah
+    env = _client_env(tmp_path, endpoint)
+    online = _run_client("org/tiny-d3d-adapters", env)
+    assert online["identical"] and online["base_ok"]  # the base LM's own weights, fetched by repo id
+    offline = _run_client("org/tiny-d3d-adapters", {**env, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert offline["identical"] and offline["base_ok"]  # the base came into the cache with the drafter
 
 
 @pytest.fixture

@@ -25,6 +25,12 @@ class D3DConfig(PreTrainedConfig):
             layers ``block_adapter_layers`` (all layers if ``None``); 0 for none. Context tokens then run the
             converted LM's exact computation, so training the adapters alone teaches the slots to look ahead
             without touching the LM's own next-token predictions (which a shifted first slot reads).
+        base_model: Hub id or folder of the causal LM the drafter was converted from whole (``from_pretrained_lm``).
+            A checkpoint saved with ``save_pretrained(..., omit_base_weights=True)`` stores only what training
+            changed (block adapters, the mask vector); loading fetches the rest from this LM, as PEFT adapters do.
+        base_model_revision: the base LM's revision (a Hub commit) to fetch; ``None`` for the default branch.
+        base_model_checksum: sum of squares of the base weights the drafter was trained with; loading warns when
+            the fetched ones differ (drafts stay lossless, acceptance may change).
         async_drafting: draft the next block for likely verification outcomes while the target verifies;
             ``None`` means on where it helps (CUDA) and off elsewhere.
         num_hypotheses: how many (acceptance length, correction token) outcomes one packed pass drafts for.
@@ -72,6 +78,9 @@ class D3DConfig(PreTrainedConfig):
     block_adapter_rank: int = 0
     block_adapter_layers: list[int] | None = None
     tokenizer_fingerprint: str | None = None
+    base_model: str | None = None
+    base_model_revision: str | None = None
+    base_model_checksum: float | None = None
     async_drafting: bool | None = None
     num_hypotheses: int = 4
     draft_vocab_size: int | None = None

@@ -8,6 +8,7 @@ The drafter never reads the target's hidden states: it keeps its own KV cache ov
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -25,6 +26,8 @@ from .configuration_d3d import D3DConfig
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 _SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
+# from_pretrained keywords that say how to reach the Hub; a base LM is fetched with the same ones
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "proxies")
 
 
 class D3DRMSNorm(nn.Module):
@@ -358,17 +361,93 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """Load safetensors weights only, and refuse a checkpoint whose tensors do not match the config."""
+        """Load safetensors weights only, and refuse a checkpoint whose tensors do not match the config.
+
+        A checkpoint saved without its base weights (``config.base_model``) gets them from that LM here, fetched as
+        ``AutoModelForCausalLM.from_pretrained`` fetches any model (Hub cache, ``revision``, offline mode)."""
         if kwargs.get("use_safetensors") is False:
             raise ValueError("D3D drafters load safetensors weights only")
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)
+        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = set(info.get("missing_keys") or ())
+        if missing and model.config.base_model and missing <= set(model.base_weight_names()):
+            model._load_base_weights(**hub)
+            info["missing_keys"] = set()
         bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if bad:
             # A partly random drafter would still be lossless but silently slow: say so instead.
             raise ValueError(f"drafter checkpoint does not match its config: {bad}")
         return (model, info) if want_info else model
+
+    def base_weight_names(self) -> list[str]:
+        """Names of the tensors that are copies of ``config.base_model``'s: embeddings, final norm, head, and every
+        layer tensor but the block adapters."""
+        names = [n for n, _ in self.named_parameters(remove_duplicate=False)]
+        return [n for n in names if "block_adapters" not in n and n != "model.mask_embedding"]
+
+    def save_pretrained(self, save_directory, *args, omit_base_weights: bool = False, **kwargs):
+        """``save_pretrained``; with ``omit_base_weights``, the checkpoint leaves out the tensors that are
+        ``config.base_model``'s own (a drafter whose base stayed frozen, e.g. one trained with block adapters only):
+        a few MB instead of the whole LM, and loading fetches the base."""
+        if omit_base_weights:
+            if not self.config.base_model:
+                raise ValueError("omit_base_weights needs config.base_model (the LM the weights are fetched from)")
+            base = set(self.base_weight_names())
+            kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in base}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def _load_base_weights(self, **hub_kwargs) -> None:
+        from transformers import AutoModelForCausalLM
+
+        config = self.config
+        try:
+            lm = AutoModelForCausalLM.from_pretrained(
+                config.base_model, revision=config.base_model_revision, dtype=self.dtype, **hub_kwargs
+            )
+        except OSError as err:
+            raise OSError(
+                f"this drafter stores only its trained tensors and takes the rest from its base LM "
+                f"{config.base_model!r}, which could not be loaded (pass base_model=<local folder> to "
+                f"from_pretrained to use a copy you have): {err}"
+            ) from err
+        ids = config.target_layer_ids or list(range(config.num_hidden_layers))
+        self._copy_lm_weights(lm, ids)
+        checksum = self.base_checksum()
+        want = config.base_model_checksum
+        if want is not None and abs(checksum - want) > 1e-3 * abs(want):
+            warnings.warn(
+                f"the base LM {config.base_model!r} has other weights than the one this drafter was trained with "
+                f"(checksum {checksum:.6g}, expected {want:.6g}): drafts stay lossless, acceptance may be lower",
+                stacklevel=3,
+            )
+
+    @torch.no_grad()
+    def base_checksum(self) -> float:
+        """Sum of squares of the base weights (fp64), which tells one base LM from another."""
+        params = dict(self.named_parameters())
+        return float(sum(params[n].double().square().sum() for n in self.base_weight_names() if n in params))
+
+    @torch.no_grad()
+    def _copy_lm_weights(self, lm: PreTrainedModel, layer_ids: list[int]) -> None:
+        """Copy embeddings, final norm, head and layers ``layer_ids`` of a causal LM into this drafter."""
+        source = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+        if len(source.layers) <= max(layer_ids) or lm.config.get_text_config().vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"{type(lm).__name__} ({len(source.layers)} layers) does not match this drafter (layers "
+                f"{layer_ids}, vocab_size {self.config.vocab_size})"
+            )
+        self.model.embed_tokens.load_state_dict(source.embed_tokens.state_dict())
+        self.model.norm.load_state_dict(source.norm.state_dict())
+        if not self.config.tie_word_embeddings:
+            self.lm_head.load_state_dict(lm.get_output_embeddings().state_dict())
+        for mine, theirs in zip(self.model.layers, layer_ids):
+            missing, unexpected = mine.load_state_dict(_layer_state(source.layers[theirs]), strict=False)
+            if unexpected or any("norm" not in k and "block_adapters" not in k for k in missing):
+                raise ValueError(f"layer {theirs} does not map onto a D3D layer: {missing} {unexpected}")
+        self._draft_head = None
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, **kwargs):
@@ -389,13 +468,15 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         mask_token_id: int | None = None,
         tokenizer_fingerprint: str | None = None,
         shifted_slots: bool = True,
+        base_model: str | None = None,
         **config_overrides,
     ) -> D3DDrafterModel:
         """Convert a whole pretrained causal LM (every layer, its embeddings, final norm and head) into a drafter.
 
         ``lm`` shares the target's tokenizer: a smaller sibling (Qwen3-1.7B for Qwen3-8B) or the target itself.
         With ``shifted_slots`` (the default) the first slot of a block reads the anchor's causal output, so before
-        any training the drafter's first draft token is ``lm``'s own greedy next token.
+        any training the drafter's first draft token is ``lm``'s own greedy next token. ``base_model`` (default
+        ``lm.name_or_path``) names where ``save_pretrained(..., omit_base_weights=True)`` checkpoints fetch it from.
         """
         lm_vocab = lm.config.get_text_config().vocab_size
         if target is not None and target.config.get_text_config().vocab_size != lm_vocab:
@@ -404,7 +485,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
                 f"({target.config.get_text_config().vocab_size}): a drafter must share the target's tokenizer"
             )
         n = lm.config.get_text_config().num_hidden_layers
-        return cls.from_target(
+        drafter = cls.from_target(
             lm,
             block_size=block_size,
             layer_ids=list(range(n)),
@@ -413,6 +494,9 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             shifted_slots=shifted_slots,
             **config_overrides,
         )
+        drafter.config.base_model = base_model or lm.name_or_path or None
+        drafter.config.base_model_checksum = drafter.base_checksum()
+        return drafter
 
     @classmethod
     def from_target(
@@ -473,15 +557,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         drafter = cls(config).to(dtype=target.dtype)
         rotary = drafter.model.rotary
         rotary.inv_freq = rotary.compute_inv_freq()[0]  # rotary frequencies stay fp32 whatever the weight dtype
-        source = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-        drafter.model.embed_tokens.load_state_dict(source.embed_tokens.state_dict())
-        drafter.model.norm.load_state_dict(source.norm.state_dict())
-        if not config.tie_word_embeddings:
-            drafter.lm_head.load_state_dict(target.get_output_embeddings().state_dict())
-        for mine, theirs in zip(drafter.model.layers, layer_ids):
-            missing, unexpected = mine.load_state_dict(_layer_state(source.layers[theirs]), strict=False)
-            if unexpected or any("norm" not in k and "block_adapters" not in k for k in missing):
-                raise ValueError(f"target layer {theirs} does not map onto a D3D layer: {missing} {unexpected}")
+        drafter._copy_lm_weights(target, list(layer_ids))
         if mask_token_id is None:
             # Start the learned mask vector at the mean token embedding: a neutral point the training moves from.
             drafter.model.mask_embedding.data.copy_(drafter.model.embed_tokens.weight.mean(0))

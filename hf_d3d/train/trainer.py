@@ -238,8 +238,10 @@ def train(
         unwrapped = accelerator.unwrap_model(model).eval()
         if config.save_dtype != "float32":
             unwrapped = copy.deepcopy(unwrapped).to(getattr(torch, config.save_dtype))
+        # Adapters-only training leaves the base LM as it was: the result stores the adapters, the base is fetched.
+        omit = config.adapters_only and bool(unwrapped.config.base_model)
         with atomic_folder(final, overwrite=True) as tmp:
-            unwrapped.save_pretrained(tmp)
+            unwrapped.save_pretrained(tmp, omit_base_weights=omit)
             write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
     return final
 

@@ -1,0 +1,77 @@
+"""A whole-LM drafter saved without its base LM's weights: small on disk, whole again at load, same drafts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from conftest import tiny_target
+from hf_d3d import D3DDrafterModel, speculative
+
+
+def _adapter_drafter(family: str, base_dir) -> tuple[torch.nn.Module, D3DDrafterModel]:
+    lm = tiny_target(family)
+    lm.save_pretrained(base_dir)
+    lm = AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    drafter = D3DDrafterModel.from_pretrained_lm(lm, block_size=4, block_adapter_rank=4, block_adapter_layers=[1, 2])
+    torch.manual_seed(0)
+    with torch.no_grad():  # stand-in for training: the adapters and the mask vector change, the base does not
+        for name, p in drafter.named_parameters():
+            if "block_adapters" in name or name == "model.mask_embedding":
+                p.add_(torch.randn_like(p) * 0.5)
+    return lm, drafter
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_saved_without_base_loads_whole_and_drafts_the_same(tmp_path, family):
+    lm, drafter = _adapter_drafter(family, tmp_path / "base")
+    assert drafter.config.base_model == str(tmp_path / "base")
+    drafter.save_pretrained(tmp_path / "full")
+    drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
+    with safe_open(tmp_path / "small" / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    assert stored and all("block_adapters" in k or k == "model.mask_embedding" for k in stored), stored
+    small = (tmp_path / "small" / "model.safetensors").stat().st_size
+    assert small < (tmp_path / "full" / "model.safetensors").stat().st_size / 3
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "small", trust_remote_code=True).eval()
+    mine, theirs = drafter.state_dict(), loaded.state_dict()
+    assert set(mine) == set(theirs)
+    for name, tensor in mine.items():
+        torch.testing.assert_close(theirs[name], tensor, rtol=0, atol=0, msg=name)
+
+    prompt = torch.tensor([[5, 9, 17, 4, 33, 8]])
+    plain = lm.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    out = speculative.speculative_generate(lm, loaded, prompt, max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(out, plain)
+
+
+def test_other_base_weights_warn_and_a_missing_base_is_a_clear_error(tmp_path):
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
+    tiny_target("llama", seed=7).save_pretrained(tmp_path / "other")  # same shapes, other weights
+    with pytest.warns(UserWarning, match="other weights"):
+        D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "other"))
+    with pytest.raises(OSError, match="base LM"):
+        D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "nowhere"))
+    tiny_target("llama", layers=2).save_pretrained(tmp_path / "shallow")  # fewer layers than the drafter has
+    with pytest.raises(ValueError, match="does not match this drafter"):
+        D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "shallow"))
+
+
+def test_omitting_needs_a_base_and_a_stored_tensor_missing_is_refused(tmp_path):
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    drafter.config.base_model = None
+    with pytest.raises(ValueError, match="base_model"):
+        drafter.save_pretrained(tmp_path / "x", omit_base_weights=True)
+    drafter.config.base_model = str(tmp_path / "base")
+    drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
+    config = json.loads((tmp_path / "small" / "config.json").read_text())
+    config["block_adapter_layers"] = [0, 1, 2]  # an adapter the checkpoint does not hold is not a base weight
+    (tmp_path / "small" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not match its config"):
+        D3DDrafterModel.from_pretrained(tmp_path / "small")
