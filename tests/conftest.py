@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_d3d import D3DDrafterModel, speculative
@@ -13,6 +15,20 @@ torch.set_num_threads(1)
 
 VOCAB = 96
 EOS = 3
+
+# Every property test builds or runs models: no per-example deadline, and slow data generation or a function-scoped
+# fixture (the oracle patch, reset per test) is expected. Tests choose only how many examples they draw.
+settings.register_profile(
+    "d3d", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+settings.load_profile("d3d")
+
+FAMILIES = st.sampled_from(["llama", "qwen3"])  # the two tiny target families
+
+
+def prompts(max_size: int) -> st.SearchStrategy[list[int]]:
+    """Prompts of 1..``max_size`` ordinary tokens (ids below 4 are special: pad, bos, eos)."""
+    return st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=max_size)
 
 
 def tiny_target(family: str = "llama", vocab: int = VOCAB, seed: int = 0, layers: int = 3):

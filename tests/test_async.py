@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sampling import _target_joint, chi_square_pvalue
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
-from conftest import VOCAB, make_drafter, tiny_target
+from conftest import FAMILIES, VOCAB, make_drafter, prompts, tiny_target
 from hf_d3d import D3DCandidateGenerator
 from hf_d3d.modeling import generation_d3d
 from hf_d3d.modeling.attention_d3d import pack_blocks
@@ -27,11 +27,11 @@ def async_drafter(target, block):
 DRAFTERS = {(fam, b): async_drafter(t, b) for fam, t in TARGETS.items() for b in (1, 2, 4, 8, 16)}
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
+    family=FAMILIES,
     block=st.sampled_from([1, 2, 4, 8, 16]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24),
+    prompt=prompts(24),
     max_new=st.integers(1, 40),
     eos_on=st.booleans(),
 )

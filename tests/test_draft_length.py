@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
-from conftest import EOS, VOCAB, make_drafter, tiny_target
+from conftest import EOS, FAMILIES, make_drafter, prompts, tiny_target
 from hf_d3d import D3DCandidateGenerator, D3DConfig, speculative_generate
 from hf_d3d.calibrate import measure_round_cost, write_round_cost
 from hf_d3d.modeling.generation_d3d import cpu_kind, draft_length, round_cost_key
@@ -66,13 +66,11 @@ def decode(target, drafter, x, max_new, eos, fast: bool, costs: list[float], tre
         drafter.config.round_cost = None
 
 
-@settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=30)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
+    family=FAMILIES,
     block=st.sampled_from([2, 4, 8]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=16),
+    prompt=prompts(16),
     max_new=st.integers(1, 40),
     noise=st.sampled_from([None, 0.0, 0.3]),
     costs=st.lists(cost, min_size=1, max_size=8),

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from test_sampling import _target_joint, chi_square_pvalue, sample_two_tokens
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
-from conftest import EOS, VOCAB, make_drafter, tiny_target
+from conftest import EOS, FAMILIES, VOCAB, make_drafter, prompts, tiny_target
 from hf_d3d import D3DCandidateGenerator, D3DDrafterModel, speculative_generate
 from hf_d3d.draft_vocab import frequent_tokens, write_with_draft_vocab
 from hf_d3d.modeling.attention_d3d import pack_blocks
@@ -55,11 +55,11 @@ def test_gathered_head_follows_in_place_updates_of_the_lm_head():
     torch.testing.assert_close(after[..., inside], 2 * before[..., inside])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
+    family=FAMILIES,
     block=st.sampled_from([1, 4, 8]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=20),
+    prompt=prompts(20),
     max_new=st.integers(1, 30),
     async_drafting=st.booleans(),
 )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaForCausalLM
 
-from conftest import VOCAB, make_drafter, tiny_target
+from conftest import VOCAB, make_drafter, prompts, tiny_target
 from hf_d3d import exact
 from hf_d3d.exact import EXACT_ATTENTION, exact_verification, is_exact, rows_match_decode
 from hf_d3d.modeling.generation_d3d import cache_kwarg
@@ -43,9 +43,9 @@ def test_verify_rows_run_one_attention_call_each(monkeypatch):
     assert calls == [1] * (8 * 3)  # 8 rows, 3 layers
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25)
 @given(
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24),
+    prompt=prompts(24),
     max_new=st.integers(1, 40),
     fast=st.booleans(),
 )
@@ -142,10 +142,8 @@ def test_context_restores_the_target_and_refuses_what_it_cannot_make_exact():
     assert EXACT_ATTENTION not in ("sdpa", "eager")
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
-@given(prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24), max_new=st.integers(1, 40))
+@settings(max_examples=25)
+@given(prompt=prompts(24), max_new=st.integers(1, 40))
 def test_exact_draft_trees_equal_plain_bf16(oracle, prompt, max_new):
     """Tree rows see the cache and their ancestors: computed over exactly those keys, each is a decode step."""
     x = torch.tensor([prompt])

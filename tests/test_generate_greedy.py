@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import TextStreamer
 
-from conftest import EOS, VOCAB, make_drafter, tiny_target
+from conftest import EOS, FAMILIES, make_drafter, prompts, tiny_target
 from hf_d3d.evaluate import count_forwards
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -23,11 +23,11 @@ def assisted(target, drafter, x, **kw):
     return target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, assistant_model=drafter, **kw)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
+    family=FAMILIES,
     block=st.sampled_from([1, 2, 4, 8, 16]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=24),
+    prompt=prompts(24),
     max_new=st.integers(1, 40),
     eos_on=st.booleans(),
 )
@@ -40,13 +40,11 @@ def test_untrained_drafter_is_lossless(family, block, prompt, max_new, eos_on):
     assert torch.equal(ref, out)
 
 
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=40)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
+    family=FAMILIES,
     block=st.sampled_from([1, 2, 4, 8, 16]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=16),
+    prompt=prompts(16),
     max_new=st.integers(1, 40),
     noise=st.sampled_from([0.0, 0.2, 0.5]),
     eos_at=st.one_of(st.none(), st.integers(0, 39)),

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-from conftest import make_drafter
+from conftest import make_drafter, prompts
 from hf_d3d import check_pair, speculative_generate
 
 VOCAB = 128
@@ -56,10 +56,10 @@ def quantized(saved):
     return out, make_drafter(full, block_size=4)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=12)
 @given(
     scheme=st.sampled_from(sorted(SCHEMES)),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=12),
+    prompt=prompts(12),
     max_new=st.integers(1, 32),
 )
 def test_quantized_targets_verify_exactly(quantized, scheme, prompt, max_new):

@@ -6,12 +6,12 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sampling import _target_joint, chi_square_pvalue
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
-from conftest import VOCAB, make_drafter, tiny_target
+from conftest import FAMILIES, make_drafter, prompts, tiny_target
 from hf_d3d import d3d_generate, speculative_generate
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.verify import verify_greedy, verify_sampling
@@ -26,13 +26,11 @@ def plain(target, x, max_new, eos):
     )
 
 
-@settings(
-    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=50)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
+    family=FAMILIES,
     block=st.sampled_from([1, 2, 4, 8, 16]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=20),
+    prompt=prompts(20),
     max_new=st.integers(1, 40),
     noise=st.sampled_from([None, 0.0, 0.3]),
     demote=st.sampled_from([0.0, 0.5]),

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-from conftest import VOCAB, make_drafter, tiny_target
+from conftest import FAMILIES, VOCAB, make_drafter, prompts, tiny_target
 from hf_d3d import speculative_generate
 from hf_d3d.modeling.generation_d3d import cache_kwarg
 from hf_d3d.tree import DraftTree, build_tree, keep_path, tree_inputs, tree_size, verify_tree_greedy
@@ -32,7 +32,7 @@ def _candidates(depth: int, width: int, seed: int) -> tuple[list[list[float]], l
     return logp.values.tolist(), (logp.indices + 10).tolist()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(depth=st.integers(1, 4), width=st.integers(1, 3), nodes=st.integers(0, 12), seed=st.integers(0, 10_000))
 def test_build_tree_is_the_best_tree_of_every_size(depth, width, nodes, seed):
     logp, toks = _candidates(depth, width, seed)
@@ -120,13 +120,11 @@ def test_keep_path_leaves_the_cache_a_chain_forward_would(family):
     torch.testing.assert_close(tree_logits[[1, 5, 6]], chain_logits[[4, 5, 6]], atol=1e-4, rtol=1e-4)
 
 
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=40)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
+    family=FAMILIES,
     block=st.sampled_from([1, 2, 4, 8]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=16),
+    prompt=prompts(16),
     max_new=st.integers(1, 40),
     demote=st.sampled_from([0.0, 0.3, 0.7]),
 )

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import EOS, VOCAB, tiny_target
+from conftest import EOS, FAMILIES, VOCAB, prompts, tiny_target
 from hf_d3d import D3DDrafterModel, speculative
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.modeling.attention_d3d import pack_blocks
@@ -41,10 +41,10 @@ def test_conversion_keeps_every_layer_and_weight(family):
     assert (drafter.lm_head.weight is drafter.model.embed_tokens.weight) == lm.config.tie_word_embeddings
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=20),
+    family=FAMILIES,
+    prompt=prompts(20),
     cached=st.integers(0, 19),
 )
 def test_first_slot_is_the_source_lms_greedy_token(family, prompt, cached):
@@ -126,10 +126,10 @@ def test_shifted_drafter_trains_and_round_trips(tmp_path):
     assert again.config.shifted_slots
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15)
 @given(
-    family=st.sampled_from(["llama", "qwen3"]),
-    prompt=st.lists(st.integers(4, VOCAB - 1), min_size=1, max_size=16),
+    family=FAMILIES,
+    prompt=prompts(16),
     max_new=st.integers(1, 40),
     async_drafting=st.booleans(),
     tree=st.booleans(),
