@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from safetensors import safe_open
 
 from hf_d3d.atomic import atomic_folder
 
@@ -91,8 +92,23 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         ),
         training=metrics.get("training", "See the hf-d3d repository."),
         pruning=pruning,
+        base_weights=_base_weights_note(checkpoint, config),
     )
     return str(card)
+
+
+def _base_weights_note(checkpoint: Path, config: dict) -> str:
+    """For a checkpoint stored without its base LM's weights: where loading takes them from."""
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    if "model.embed_tokens.weight" in stored or not config.get("base_model"):
+        return ""
+    size = (checkpoint / "model.safetensors").stat().st_size / 1e6
+    return (
+        f" This repo holds only what training changed ({size:.0f} MB: block adapters and the mask vector); "
+        f"`from_pretrained` takes every other weight from [{config['base_model']}]"
+        f"(https://huggingface.co/{config['base_model']}) itself, fetched as any model is (Hub cache, offline mode)."
+    )
 
 
 def _draft_tokens(checkpoint: Path, config: dict) -> int:

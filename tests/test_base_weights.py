@@ -75,3 +75,15 @@ def test_omitting_needs_a_base_and_a_stored_tensor_missing_is_refused(tmp_path):
     (tmp_path / "small" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="does not match its config"):
         D3DDrafterModel.from_pretrained(tmp_path / "small")
+
+
+def test_card_says_where_the_base_weights_come_from(tmp_path):
+    from hf_d3d.publish import METRICS, assemble
+
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    rows = {"rows": [{"dataset": "toy", "tau": 1.5, "command": "hf-d3d eval-tau ..."}]}
+    for name, omit in (("small", True), ("full", False)):
+        drafter.save_pretrained(tmp_path / name, omit_base_weights=omit)
+        (tmp_path / name / METRICS).write_text(json.dumps(rows))
+        card = (assemble(tmp_path / name, tmp_path / f"hub-{name}", "org/x") / "README.md").read_text()
+        assert ("takes every other weight from" in card) == omit
