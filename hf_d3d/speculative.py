@@ -11,12 +11,14 @@ Usable directly, or as ``target.generate(**inputs, custom_generate=d3d_generate,
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from transformers import Cache, DynamicCache, PreTrainedModel, StaticCache
+from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 from transformers.generation import (
     LogitsProcessorList,
@@ -32,16 +34,45 @@ from hf_d3d.skinny import skinny_by_default, skinny_linears
 from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 
+# Generation settings that need logits processors the fast loop does not build itself; with them set, pass
+# ``logits_processor=`` or go through ``target.generate(custom_generate=d3d_generate, ...)``, which builds them all.
+_PROCESSOR_FIELDS = (
+    "repetition_penalty",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "min_length",
+    "min_new_tokens",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "sequence_bias",
+    "typical_p",
+    "min_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "renormalize_logits",
+)
 
-def _warpers(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+
+def _warpers(config: GenerationConfig) -> LogitsProcessorList:
+    """The sampling warpers of ``config`` (temperature, top-k, top-p); refuses settings that need other processors."""
+    default = GenerationConfig()
+    asked = [f for f in _PROCESSOR_FIELDS if getattr(config, f, None) != getattr(default, f, None)]
+    if asked:
+        raise ValueError(
+            f"speculative_generate builds temperature/top-k/top-p only; {asked} need their logits processors: pass "
+            "logits_processor=..., or call target.generate(..., custom_generate=d3d_generate, drafter=drafter)"
+        )
     procs = LogitsProcessorList()
-    if do_sample:
-        if temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            procs.append(TopKLogitsWarper(top_k))
-        if top_p is not None and top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            procs.append(TopKLogitsWarper(config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            procs.append(TopPLogitsWarper(config.top_p))
     return procs
 
 
@@ -83,70 +114,57 @@ def _truncate(cache: Cache, keep: int, held: int) -> None:
         cache.crop(keep - held)
 
 
-@torch.no_grad()
-def speculative_generate(
+@dataclass
+class _Plan:
+    """What a decode needs, settled before its first round."""
+
+    config: GenerationConfig
+    eos: set[int]
+    procs: LogitsProcessorList
+    cache: Cache
+    gen: D3DCandidateGenerator
+    exact: bool  # exact verification: the prompt is prefilled alone, as plain generate does
+    use_tree: bool
+    per_round: int  # at most this many draft tokens per round
+    trims_logits: bool  # the target's forward takes logits_to_keep
+    skinny: bool
+
+
+def _plan(
     target: PreTrainedModel,
     drafter: PreTrainedModel,
     input_ids: torch.LongTensor,
-    max_new_tokens: int = 128,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | list[int] | None = "default",  # type: ignore[assignment]
-    attention_mask: torch.Tensor | None = None,
-    streamer=None,
-    async_drafting: bool | None = None,
-    logits_processor: LogitsProcessorList | None = None,
-    generator: torch.Generator | None = None,
-    on_round: Callable[[list[int], int, list[int]], None] | None = None,
-    stopping_criteria=None,
-    cache_implementation: str = "dynamic",
-    tree: bool | None = None,
-    skinny: bool | None = None,
-) -> torch.LongTensor:
-    """Decode ``max_new_tokens`` with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``.
-
-    ``eos_token_id`` defaults to the target's generation config; pass ``None`` to ignore EOS. Each round drafts
-    up to ``drafter.generation_config.num_assistant_tokens`` tokens (the block size unless lowered; fewer where the
-    drafter's measured ``round_cost`` says the rest do not pay). Statistics of the
-    call (every round counted) are in ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called
-    after each verification (the Space uses it to colour accepted and rejected draft tokens).
-    ``cache_implementation="static"`` preallocates the target's KV cache for the whole decode (a fixed-shape
-    cache, as torch.compile and CUDA graphs want); rejected positions are then overwritten rather than freed.
-    ``tree``: verify draft trees (greedy; the default where the target supports them and drafting is in sync) or
-    chains (False). ``skinny``: compute few-row linears (the target's verify forwards, the drafter's blocks) as
-    :func:`hf_d3d.skinny_linears` does (default: fp32 targets on CPU, unless verification is exact).
-    """
+    config: GenerationConfig,
+    max_new_tokens: int,
+    attention_mask: torch.Tensor | None,
+    logits_processor: LogitsProcessorList | None,
+    async_drafting: bool | None,
+    tree: bool | None,
+    skinny: bool | None,
+) -> _Plan:
+    """Check the request and choose how to decode it: cache, draft tree or chain, few-row kernels."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("speculative_generate does not support padded inputs (attention_mask with zeros)")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if config.num_beams not in (None, 1):
+        raise ValueError("D3D speculative decoding does not support beam search")
     check_pair(target, drafter)
-    if eos_token_id == "default":
-        eos_token_id = target.generation_config.eos_token_id
-    eos = _eos_set(eos_token_id)
-    procs = logits_processor if logits_processor is not None else _warpers(do_sample, temperature, top_k, top_p)
-    device = target.device
-    seq = input_ids.to(device)
-    if streamer is not None:
-        streamer.put(seq.cpu())
-    limit = seq.shape[1] + max_new_tokens
-    # The first verify pass also prefills the prompt, so each round is one target forward. ``cached`` counts the
-    # positions the cache holds for us: every committed token but the last, which the next verify pass re-reads.
+    procs = logits_processor if logits_processor is not None else _warpers(config)
     exact = is_exact(target)
-    if exact and cache_implementation != "dynamic":
+    kind = config.cache_implementation or "dynamic"
+    if exact and kind != "dynamic":
         raise ValueError("exact verification computes rows as plain generate does, over a dynamic cache")
-    cache = _target_cache(target, cache_implementation, limit)
-    cached = 0
+    cache = _target_cache(target, kind, input_ids.shape[1] + max_new_tokens)
     if tree and async_drafting is None:  # asked for a tree: draft in sync, even where async is the default (CUDA)
         async_drafting = False
     if skinny is None:
         skinny = skinny_by_default(target)
     if skinny and exact:
         raise ValueError("skinny=True computes rows unlike a decode step; exact verification needs skinny=False")
+    do_sample = bool(config.do_sample)
     gen = D3DCandidateGenerator(
         drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype, skinny=skinny
     )
@@ -155,54 +173,135 @@ def speculative_generate(
         why_not = "async drafting prepares the next chain's outcomes; draft trees draft in sync"
     if tree and why_not:
         raise ValueError(f"tree=True: {why_not}")
-    use_tree = why_not is None and tree is not False
-    drafter.last_stats = gen.stats
     # The same knob as in generate(assistant_model=...): draft (and verify) at most this many tokens per round.
     per_round = int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or drafter.config.block_size)
-    # Only the k + 1 verified positions need the LM head; at prefill that skips the whole prompt's rows.
-    trims_logits = "logits_to_keep" in inspect.signature(target.forward).parameters
-    with skinny_linears(target, drafter) if skinny else contextlib.nullcontext():
-        while seq.shape[1] < limit:
-            # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
-            budget = 0 if exact and cached == 0 else min(per_round, limit - seq.shape[1] - 1)
-            tree_round = use_tree and budget > 0  # nothing to draft (exact's first round): an ordinary forward
-            if tree_round:
-                draft, n, nxt, path = _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits)
-            else:
-                draft, n, nxt = _chain_round(
-                    target, gen, seq, cache, cached, budget, procs, trims_logits, do_sample, generator
-                )
-            new = draft[:n] + [nxt]
-            new = new[: limit - seq.shape[1]]
-            stop = False
-            for i, tok in enumerate(new):
-                if tok in eos:
-                    new, stop = new[: i + 1], True
-                    break
-            # e.g. stop strings: checked after every committed token, as generate does
-            if stopping_criteria is not None:
-                for i in range(len(new)):
-                    grown = torch.cat([seq, torch.tensor([new[: i + 1]], device=device)], dim=1)
-                    if bool(stopping_criteria(grown, None).any()):
-                        new, stop = new[: i + 1], True
-                        break
-            gen.record_outcome(min(n, len(new)), len(new))
-            if on_round is not None:
-                on_round(draft, min(n, len(new)), new)
-            held = seq.shape[1] + len(draft)  # what a chain's verify pass left in the cache
-            seq = torch.cat([seq, torch.tensor([new], device=device)], dim=1)
-            if tree_round:  # the cache holds every node: keep the committed ones, moved into place
-                keep_path(cache, seq.shape[1] - len(new) - 1, path[: len(new) - 1])
-            else:
-                _truncate(cache, seq.shape[1] - 1, held)
-            cached = seq.shape[1] - 1
-            if streamer is not None:
-                streamer.put(torch.tensor(new))
-            if stop:
-                break
+    return _Plan(
+        config=config,
+        eos=_eos_set(config.eos_token_id),
+        procs=procs,
+        cache=cache,
+        gen=gen,
+        exact=exact,
+        use_tree=why_not is None and tree is not False,
+        per_round=per_round,
+        # Only the k + 1 verified positions need the LM head; at prefill that skips the whole prompt's rows.
+        trims_logits="logits_to_keep" in inspect.signature(target.forward).parameters,
+        skinny=skinny,
+    )
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: PreTrainedModel,
+    drafter: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int | None = None,
+    generation_config: GenerationConfig | None = None,
+    attention_mask: torch.Tensor | None = None,
+    streamer=None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria=None,
+    generator: torch.Generator | None = None,
+    on_round: Callable[[list[int], int, list[int]], None] | None = None,
+    async_drafting: bool | None = None,
+    tree: bool | None = None,
+    skinny: bool | None = None,
+    **kwargs,
+) -> torch.LongTensor:
+    """Decode with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``, the tokens
+    ``target.generate`` returns for the same settings.
+
+    Settings come as in ``generate``: ``generation_config`` (default: the target's), updated by keyword arguments
+    that name its fields (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (``None``
+    ignores EOS), ``cache_implementation``). ``max_new_tokens`` defaults to the config's, else 128. Each round
+    drafts up to ``drafter.generation_config.num_assistant_tokens`` tokens (fewer where the drafter's measured
+    ``round_cost`` says the rest do not pay); the call's statistics (every round counted) are in
+    ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called after each verification (the Space
+    colours accepted and rejected draft tokens with it). ``cache_implementation="static"`` preallocates the
+    target's KV cache for the whole decode; rejected positions are then overwritten rather than freed.
+    ``tree``: verify draft trees (greedy; the default where the target supports them and drafting is in sync) or
+    chains (False). ``skinny``: compute few-row linears (the target's verify forwards, the drafter's blocks) as
+    :func:`hf_d3d.skinny_linears` does (default: fp32 targets on CPU, unless verification is exact).
+    """
+    config = copy.deepcopy(generation_config or target.generation_config or GenerationConfig())
+    unknown = config.update(**kwargs)
+    if unknown:
+        raise TypeError(f"speculative_generate got unexpected arguments {sorted(unknown)}")
+    if max_new_tokens is None:
+        max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else 128
+    plan = _plan(
+        target,
+        drafter,
+        input_ids,
+        config,
+        max_new_tokens,
+        attention_mask,
+        logits_processor,
+        async_drafting,
+        tree,
+        skinny,
+    )
+    drafter.last_stats = plan.gen.stats
+    seq = input_ids.to(target.device)
+    if streamer is not None:
+        streamer.put(seq.cpu())
+    with skinny_linears(target, drafter) if plan.skinny else contextlib.nullcontext():
+        limit = seq.shape[1] + max_new_tokens
+        seq = _decode(target, plan, seq, limit, stopping_criteria, generator, on_round, streamer)
     if streamer is not None:
         streamer.end()
     return seq
+
+
+def _decode(target, plan: _Plan, seq, limit, stopping_criteria, generator, on_round, streamer) -> torch.LongTensor:
+    """The rounds: draft, verify in one target forward, commit the accepted tokens and the target's own next one.
+
+    The first verify pass also prefills the prompt. ``cached`` counts the positions the target's cache holds for
+    us: every committed token but the last, which the next verify pass re-reads."""
+    gen, cache, cached = plan.gen, plan.cache, 0
+    while seq.shape[1] < limit:
+        # exact verification prefills the prompt alone, as plain generate does: the first round drafts nothing
+        budget = 0 if plan.exact and cached == 0 else min(plan.per_round, limit - seq.shape[1] - 1)
+        tree_round = plan.use_tree and budget > 0  # nothing to draft (exact's first round): an ordinary forward
+        if tree_round:
+            draft, n, nxt, path = _tree_round(target, gen, seq, cache, cached, budget, plan.procs, plan.trims_logits)
+        else:
+            do_sample = bool(plan.config.do_sample)
+            draft, n, nxt = _chain_round(
+                target, gen, seq, cache, cached, budget, plan.procs, plan.trims_logits, do_sample, generator
+            )
+        new, stop = _until_stop(seq, (draft[:n] + [nxt])[: limit - seq.shape[1]], plan.eos, stopping_criteria)
+        gen.record_outcome(min(n, len(new)), len(new))
+        if on_round is not None:
+            on_round(draft, min(n, len(new)), new)
+        held = seq.shape[1] + len(draft)  # what a chain's verify pass left in the cache
+        seq = torch.cat([seq, torch.tensor([new], device=seq.device)], dim=1)
+        if tree_round:  # the cache holds every node: keep the committed ones, moved into place
+            keep_path(cache, seq.shape[1] - len(new) - 1, path[: len(new) - 1])
+        else:
+            _truncate(cache, seq.shape[1] - 1, held)
+        cached = seq.shape[1] - 1
+        if streamer is not None:
+            streamer.put(torch.tensor(new))
+        if stop:
+            break
+    return seq
+
+
+def _until_stop(seq, new: list[int], eos: set[int], stopping_criteria) -> tuple[list[int], bool]:
+    """The round's tokens up to and including the first that ends generation (EOS, or a stopping criterion checked
+    after every committed token, as generate does), and whether one did."""
+    stop = False
+    for i, tok in enumerate(new):
+        if tok in eos:
+            new, stop = new[: i + 1], True
+            break
+    if stopping_criteria is not None:
+        for i in range(len(new)):
+            grown = torch.cat([seq, torch.tensor([new[: i + 1]], device=seq.device)], dim=1)
+            if bool(stopping_criteria(grown, None).any()):
+                return new[: i + 1], True
+    return new, stop
 
 
 def _verified_logits(target, ids, cache, rows, procs, prefixes, trims_logits, **extra) -> torch.Tensor:
@@ -280,8 +379,6 @@ def d3d_generate(
     """``custom_generate`` entry: ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``."""
     if drafter is None:
         raise ValueError("custom_generate=d3d_generate needs drafter=<a D3D drafter>")
-    if generation_config.num_beams not in (None, 1):
-        raise ValueError("D3D speculative decoding does not support beam search")
     if generation_config.return_dict_in_generate:
         raise ValueError("custom_generate=d3d_generate returns token ids only; use return_dict_in_generate=False")
     return speculative_generate(
@@ -289,8 +386,7 @@ def d3d_generate(
         drafter,
         input_ids,
         max_new_tokens=generation_config.max_length - input_ids.shape[1],
-        do_sample=bool(generation_config.do_sample),
-        eos_token_id=generation_config.eos_token_id,
+        generation_config=generation_config,
         attention_mask=model_kwargs.get("attention_mask"),
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,

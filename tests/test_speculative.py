@@ -232,3 +232,23 @@ def test_fast_loop_computes_logits_only_for_verified_positions():
     del target.forward
     assert torch.equal(out, target.generate(prompt, max_new_tokens=10, do_sample=False))
     assert rows and max(rows) <= 5  # at most the 4 drafts + 1, never the 40 prompt rows
+
+
+def test_fast_loop_takes_a_generation_config_as_generate_does():
+    from transformers import GenerationConfig
+
+    target = TARGETS["llama"]
+    drafter = DRAFTERS[("llama", 4)]
+    x = torch.tensor([[5, 9, 17, 4, 33]])
+    config = GenerationConfig(max_new_tokens=21, do_sample=False, eos_token_id=None)
+    out = speculative_generate(target, drafter, x, generation_config=config)
+    assert torch.equal(out, target.generate(x, attention_mask=torch.ones_like(x), generation_config=config))
+    assert out.shape[1] == x.shape[1] + 21 and config.max_new_tokens == 21  # the caller's config is not changed
+    # keywords override the config's fields, as in generate
+    assert speculative_generate(target, drafter, x, generation_config=config, max_new_tokens=5).shape[1] == 10
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        speculative_generate(target, drafter, x, 4, temprature=0.7)
+    with pytest.raises(ValueError, match="repetition_penalty"):  # a setting whose processor the loop lacks
+        speculative_generate(target, drafter, x, 4, repetition_penalty=1.3)
+    with pytest.raises(ValueError, match="beam search"):
+        speculative_generate(target, drafter, x, 4, num_beams=2)
