@@ -56,6 +56,8 @@ def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
     renumbered = _renumber_layers(drafter.state_dict(), {old: new for new, old in enumerate(keep)})
     pruned.load_state_dict(renumbered, strict=True)
     pruned.generation_config = copy.deepcopy(drafter.generation_config)
+    if config.base_model_checksum is not None:  # the base weights it holds are now a subset of the LM's
+        pruned.config.base_model_checksum = pruned.base_checksum()
     return pruned.eval()
 
 
@@ -225,7 +227,8 @@ def prune(
         }
         report["holdout"]["retention"] = report["holdout"]["tau_after"] / report["holdout"]["tau_before"]
     with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
-        pruned.save_pretrained(tmp)
+        # unhealed, its layers are still the base LM's own: store what training changed, as the drafter was
+        pruned.save_pretrained(tmp, omit_base_weights=heal is None and bool(pruned.config.base_model))
         write_json_atomic(tmp / REPORT, report)
     write_json_atomic(out / REPORT, report)
     plot_report(report, out / "prune_tau.png")

@@ -87,3 +87,19 @@ def test_card_says_where_the_base_weights_come_from(tmp_path):
         (tmp_path / name / METRICS).write_text(json.dumps(rows))
         card = (assemble(tmp_path / name, tmp_path / f"hub-{name}", "org/x") / "README.md").read_text()
         assert ("takes every other weight from" in card) == omit
+
+
+def test_a_pruned_whole_lm_drafter_still_fetches_its_remaining_layers(tmp_path):
+    import warnings
+
+    from hf_d3d.prune import drop_layers
+
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    pruned = drop_layers(drafter, [1])  # base layers 0 and 2 remain, the adapters of layer 2 with them
+    assert pruned.config.target_layer_ids == [0, 2]
+    pruned.save_pretrained(tmp_path / "pruned", omit_base_weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the checksum is the kept layers' own: no warning
+        loaded = D3DDrafterModel.from_pretrained(tmp_path / "pruned")
+    for name, tensor in pruned.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
