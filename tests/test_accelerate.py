@@ -31,9 +31,9 @@ use_cpu: false
 """
 
 
-@pytest.mark.slow
-def test_accelerate_launch_trains_on_two_cpu_processes(tmp_path):
-    # A target folder as the CLI loads it: weights plus a word-level tokenizer whose tokens are the ids themselves.
+def _target_and_data(tmp_path) -> int:
+    """A target folder as the CLI loads it (weights plus a word-level tokenizer whose tokens are the ids
+    themselves) and its distilled answers; returns how many records."""
     target = tiny_target("llama", seed=3)
     words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -42,16 +42,27 @@ def test_accelerate_launch_trains_on_two_cpu_processes(tmp_path):
     tokenizer.save_pretrained(tmp_path / "target")
     prompts = [" ".join(str(4 + (i * 5 + j * 7) % 90) for j in range(6)) for i in range(10)]
     distill(target, tokenizer, prompts, tmp_path / "data", DistillConfig(max_new_tokens=16, batch_size=5))
-    records = len(load_records(tmp_path / "data"))
+    return len(load_records(tmp_path / "data"))
 
+
+def _launch(tmp_path, args: list[str]) -> subprocess.CompletedProcess:
     config = tmp_path / "accelerate.yaml"
     config.write_text(CONFIG.format(port=29500 + os.getpid() % 1000))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "-m", "hf_d3d.cli"]
-    command += ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data")]
-    command += ["--out", str(tmp_path / "run"), "--layers", "1", "--block-size", "4", "--num-blocks", "2"]
-    command += ["--batch-size", "2", "--epochs", "1", "--num-eval-prompts", "0", "--save-every", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(command + args, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _train_args(tmp_path) -> list[str]:
+    args = ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data")]
+    args += ["--out", str(tmp_path / "run"), "--layers", "1", "--block-size", "4", "--num-blocks", "2"]
+    return args + ["--batch-size", "2", "--num-eval-prompts", "0"]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_trains_on_two_cpu_processes(tmp_path):
+    records = _target_and_data(tmp_path)
+    done = _launch(tmp_path, _train_args(tmp_path) + ["--epochs", "1", "--save-every", "2"])
     assert done.returncode == 0, done.stderr[-3000:]
 
     log = json.loads((tmp_path / "run" / "final" / "training_log.json").read_text())
@@ -60,3 +71,24 @@ def test_accelerate_launch_trains_on_two_cpu_processes(tmp_path):
     assert len(log["log"]) == log["config"]["max_steps"]
     assert all(math.isfinite(entry["loss"]) for entry in log["log"])
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_single_process_run_continues_under_accelerate_launch(tmp_path):
+    """A run started on one device goes on with `accelerate launch` and the same command (the move to GPUs)."""
+    _target_and_data(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # two steps in one process; then the same command under `accelerate launch`, asking for four, goes on from there
+    first = [sys.executable, "-m", "hf_d3d.cli", *_train_args(tmp_path), "--steps", "2", "--save-every", "1"]
+    done = subprocess.run(first, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 2
+    before = [entry["loss"] for entry in state["log"]]
+
+    done = _launch(tmp_path, _train_args(tmp_path) + ["--steps", "4", "--save-every", "1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(resuming)" in done.stdout
+    log = json.loads((tmp_path / "run" / "final" / "training_log.json").read_text())["log"]
+    assert [entry["step"] for entry in log] == [1, 2, 3, 4]
+    assert [entry["loss"] for entry in log[:2]] == before  # the first two steps were not run again
