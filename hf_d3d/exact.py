@@ -112,18 +112,20 @@ def exact_verification(target: PreTrainedModel) -> Iterator[PreTrainedModel]:
 
     def generate_exact(*args, **kwargs):
         assistant = kwargs.get("assistant_model")
-        with contextlib.ExitStack() as stack:
-            if getattr(getattr(assistant, "config", None), "model_type", None) == "d3d_drafter":
-                # read by the D3D drafter (modeling/generation_d3d.py), which never sees the target in the assisted
-                # loop: propose nothing in the first round, and use the round costs calibrated for this dtype
-                stack.enter_context(_attribute(assistant, "prefill_alone", True))
-                stack.enter_context(_attribute(assistant, "target_dtype", target.dtype))
-            else:  # other assistants, prompt lookup; plain decoding builds no candidate generator at all
-                factory = _first_round_empty_factory(target._get_candidate_generator)
-                stack.enter_context(_attribute(target, "_get_candidate_generator", factory))
+        if getattr(getattr(assistant, "config", None), "model_type", None) == "d3d_drafter":
+            return generate(*args, **kwargs)  # told through the generation config (below)
+        # other assistants, prompt lookup; plain decoding builds no candidate generator at all
+        factory = _first_round_empty_factory(target._get_candidate_generator)
+        with _attribute(target, "_get_candidate_generator", factory):
             return generate(*args, **kwargs)
 
-    with _attribute(target, "generate", generate_exact):
+    with contextlib.ExitStack() as stack:
+        # A D3D drafter never sees the target in the assisted loop; the target's generation config reaches it (as
+        # the config every assistant is called with): propose nothing in the first round, so that the target
+        # prefills the prompt alone, and use the round costs calibrated for the target's dtype.
+        stack.enter_context(_attribute(target.generation_config, "d3d_prefill_alone", True))
+        stack.enter_context(_attribute(target.generation_config, "d3d_target_dtype", str(target.dtype)))
+        stack.enter_context(_attribute(target, "generate", generate_exact))
         target.set_attn_implementation(EXACT_ATTENTION)
         try:
             if not is_exact(target):  # transformers only warns when a model refuses the switch

@@ -77,6 +77,18 @@ def test_first_round_prefills_the_prompt_alone(oracle):
     assert DRAFTER.last_stats.acceptance_lengths == [0, 8, 8]  # 1 + 9 + 9 tokens
 
 
+def test_exact_verification_reaches_the_drafter_through_the_generation_config_only():
+    """Nothing is set on the drafter; the target's generation config carries the two fields for the block alone."""
+    before = dict(vars(DRAFTER))
+    with exact_verification(TARGET):
+        assert TARGET.generation_config.d3d_prefill_alone is True
+        assert TARGET.generation_config.d3d_target_dtype == "torch.bfloat16"
+        TARGET.generate(torch.tensor([[5, 9]]), do_sample=False, max_new_tokens=4, assistant_model=DRAFTER)
+        assert vars(DRAFTER).keys() == before.keys()
+    assert not hasattr(TARGET.generation_config, "d3d_prefill_alone")
+    assert not hasattr(TARGET.generation_config, "d3d_target_dtype")
+
+
 def generate_exact_widths(x, **kw):
     """Greedy ``generate`` under exact verification, and how many tokens each target forward read."""
     widths = []

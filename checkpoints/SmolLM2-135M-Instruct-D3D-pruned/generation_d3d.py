@@ -174,7 +174,7 @@ class D3DCandidateGenerator(CandidateGenerator):
     """Proposes one block of ``block_size`` tokens per round from the drafter's own cache of committed tokens.
 
     Where the drafter's config holds a measured ``round_cost`` for this device and ``target_dtype`` (in the assisted
-    loop, which never shows the drafter its target: the drafter's ``target_dtype`` attribute; fp32 if unset), a
+    loop, which never shows the drafter its target: the generation config's ``d3d_target_dtype``; fp32 if unset), a
     round proposes only the leading tokens of the block that pay for themselves (:func:`draft_length`); that costs
     one host read of the draft's confidences per round.
 
@@ -457,6 +457,9 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("D3D assisted generation does not support padded inputs (attention_mask with zeros)")
+    # the target's generation config, as transformers' assisted loop passes it to every assistant; D3D reads two
+    # optional fields from it: ``d3d_target_dtype`` (which calibrated round costs apply) and ``d3d_prefill_alone``
+    # (exact verification: no draft in the first round), both set by ``hf_d3d.exact_verification``
     config = kwargs["generation_config"]
     # transformers <= 5.23 hands the assistant's state back as `past_key_values`, 5.24 renamed it `cache`
     generator = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -465,10 +468,10 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
             drafter,
             kwargs.get("logits_processor"),
             do_sample=bool(config.do_sample),
-            target_dtype=getattr(drafter, "target_dtype", None),
+            target_dtype=getattr(config, "d3d_target_dtype", None),
         )
         drafter.last_stats = generator.stats
-        if getattr(drafter, "prefill_alone", False) and not config.do_sample:
+        if getattr(config, "d3d_prefill_alone", False) and not config.do_sample:
             # Exact verification (hf_d3d.exact): no draft in the first round, so the target prefills the prompt
             # alone. transformers stacks the scores, so one unused row stands in for them; greedy never reads it.
             generator._last_draft, generator._last_len = input_ids[:, :0], input_ids.shape[1]
