@@ -18,6 +18,7 @@ import warnings
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 _ENGINE_LOCK = threading.Lock()  # the quantized engine is process-wide state
 
@@ -63,12 +64,12 @@ def _refuse_save(*args, **kwargs):
 def fp16_weights(drafter: nn.Module) -> nn.Module:
     """Keep ``drafter``'s linear weights in fp16 (fbgemm), in place, for drafting on CPU; returns ``drafter``.
 
-    A D3D drafter keeps its embeddings and tied ``lm_head`` as they are; its decoder layers' linears and its
-    draft-vocabulary head are packed (the head is packed again by a second call after ``set_draft_vocab``, a
-    change of ``lm_head`` or a move, which fall back to the plain head). Any other model (an autoregressive
-    assistant) has every ``nn.Linear`` packed, its LM head included. The model is marked ``d3d_fp16_weights``
-    (round costs measured this way are found by it). For inference only: ``save_pretrained`` refuses it.
-    """
+    A D3D drafter keeps its embeddings and tied ``lm_head`` as they are; its decoder layers' linears and its draft
+    vocabulary head are packed (the head is packed again by a second call after ``set_draft_vocab``, a change of
+    ``lm_head`` or a move, which fall back to the plain head). Any other model (an autoregressive assistant) has
+    every ``nn.Linear`` packed, its LM head included. Its generation config (where transformers keeps an assistant's
+    settings) says ``d3d_fp16_weights``: round costs measured this way are found by it. For inference only:
+    ``save_pretrained`` refuses it."""
     if not fp16_weights_supported(drafter):
         raise ValueError(
             "fp16_weights needs an fp32 model on CPU in eval mode and torch's fbgemm (x86) engine; "
@@ -77,13 +78,21 @@ def fp16_weights(drafter: nn.Module) -> nn.Module:
         )
     layers = getattr(getattr(drafter, "model", None), "layers", None)
     d3d = hasattr(drafter, "set_draft_head") and layers is not None
-    if not getattr(drafter, "d3d_fp16_weights", False):
+    if not packed_fp16(drafter):
         _pack(layers if d3d else drafter)
     if d3d and getattr(drafter.config, "draft_vocab_size", None) and not _is_packed(drafter.draft_head()):
         rows = drafter.lm_head.weight.index_select(0, drafter.draft_vocab)
         head = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
         head.weight.copy_(rows)
         drafter.set_draft_head(_pack(nn.Sequential(head))[0])
-    drafter.d3d_fp16_weights = True
+    if drafter.generation_config is not None:
+        drafter.generation_config.d3d_fp16_weights = True
+    else:  # a model that cannot generate still must not be packed twice
+        drafter.generation_config = GenerationConfig(d3d_fp16_weights=True)
     drafter.save_pretrained = _refuse_save
     return drafter
+
+
+def packed_fp16(model: nn.Module) -> bool:
+    """Whether :func:`fp16_weights` packed ``model``."""
+    return bool(getattr(getattr(model, "generation_config", None), "d3d_fp16_weights", False))

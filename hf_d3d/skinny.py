@@ -103,22 +103,23 @@ def skinny_by_default(model: nn.Module) -> bool:
 
 @contextmanager
 def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: int = 2) -> Iterator[int]:
-    """Within the block, the plain fp32 CPU ``nn.Linear`` modules of ``models`` (a target and its drafter, say)
-    compute 2..``max_rows`` rows with a kernel made for few rows (see the module's docstring); yields how many
-    modules that is. Subclasses (quantized linears), other dtypes and devices, and modules whose ``forward`` is
-    already replaced on the instance (accelerate's offload hooks) are left alone. Each model is marked
-    ``d3d_skinny_linears = True`` meanwhile, so a D3D drafter picks the round costs calibrated this way. Wrap
-    ``target.generate(..., assistant_model=drafter)`` in ``skinny_linears(target, drafter)`` to give transformers'
-    assisted loop the fast loop's verify costs. ``min_rows=1`` computes one-row decode steps that way too: a
-    reference for what the kernel alone does to plain decoding (``scripts/side_by_side.py plain+onednn``), not
-    something D3D needs."""
+    """Within the block, the plain fp32 CPU ``nn.Linear`` modules of ``models`` (a target and its drafter, say) compute
+    2..``max_rows`` rows with a kernel made for few rows (see the module's docstring); yields how many modules that
+    is. Subclasses (quantized linears), other dtypes and devices, and modules whose ``forward`` is already replaced
+    on the instance (accelerate's offload hooks) are left alone. Each model's generation config carries ``d3d_skinny``
+    meanwhile: transformers' assisted loop hands the target's to the assistant, so a D3D drafter picks the
+    round costs calibrated this way. Wrap ``target.generate(..., assistant_model=drafter)`` in
+    ``skinny_linears(target, drafter)`` to give transformers' assisted loop the fast loop's verify costs.
+    ``min_rows=1`` computes one-row decode steps that way too: a reference for what the kernel alone does to plain
+    decoding (``scripts/side_by_side.py plain+onednn``), not something D3D needs."""
     if not 1 <= min_rows <= max_rows or max_rows < 2:
         raise ValueError(f"need 1 <= min_rows <= max_rows, max_rows >= 2; got min_rows={min_rows}, max_rows={max_rows}")
     patched: list[tuple[nn.Linear, functools.partial]] = []
-    marked = [m for m in dict.fromkeys(models) if not getattr(m, "d3d_skinny_linears", False)]
+    configs = [getattr(m, "generation_config", None) for m in dict.fromkeys(models)]
+    marked = [c for c in configs if c is not None and not getattr(c, "d3d_skinny", False)]
     try:
-        for model in marked:
-            model.d3d_skinny_linears = True
+        for config in marked:
+            config.d3d_skinny = True
         for module in (m for model in models for m in model.modules()):
             if (
                 type(module) is nn.Linear
@@ -133,5 +134,5 @@ def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: in
         for module, ours in patched:
             if module.__dict__.get("forward") is ours:  # never drop a forward someone else installed meanwhile
                 del module.forward
-        for model in marked:
-            del model.d3d_skinny_linears
+        for config in marked:
+            del config.d3d_skinny

@@ -141,10 +141,14 @@ def test_costs_measured_with_few_row_linears_go_with_them(oracle):
     try:
         assert D3DCandidateGenerator(drafter).round_cost == costs["cpu"]
         assert D3DCandidateGenerator(drafter, skinny=True).round_cost == [1.0] * 4
-        with skinny_linears(target, drafter):  # marks the drafter: transformers' assisted loop picks them too
-            assert drafter.d3d_skinny_linears and D3DCandidateGenerator(drafter).round_cost == [1.0] * 4
-        assert not hasattr(drafter, "d3d_skinny_linears")
         x = torch.tensor([[5, 6, 7]])
+        kw = dict(assistant_model=drafter, do_sample=False, max_new_tokens=20, eos_token_id=None)
+        target.generate(x, **kw)
+        assert drafter.last_stats.drafted_tokens == drafter.last_stats.rounds  # 50x a round of 2: drafts of 1
+        with skinny_linears(target, drafter):  # marks the target's generation config, which the assistant gets
+            target.generate(x, **kw)
+        assert drafter.last_stats.drafted_tokens > 2 * drafter.last_stats.rounds  # the few-row costs: long drafts
+        assert not hasattr(target.generation_config, "d3d_skinny")
         drafted = {}
         for skinny in (None, False):  # None: on, as for any fp32 CPU target
             speculative_generate(target, drafter, x, max_new_tokens=20, eos_token_id=None, tree=False, skinny=skinny)

@@ -8,7 +8,7 @@ from torch import nn
 
 from conftest import make_drafter, tiny_target
 from hf_d3d import D3DCandidateGenerator, fp16_weights, speculative_generate
-from hf_d3d.fp16_weights import fp16_weights_supported
+from hf_d3d.fp16_weights import fp16_weights_supported, packed_fp16
 from hf_d3d.modeling.generation_d3d import round_cost_key
 from hf_d3d.publish import _cost_where
 
@@ -32,7 +32,7 @@ def test_packs_the_layers_and_the_draft_head_and_keeps_the_drafts():
     target = tiny_target("llama")
     vocab = list(range(0, 96, 2)) + [3, 5, 7]
     plain, packed = _drafter(target, vocab), fp16_weights(_drafter(target, vocab))
-    assert packed.d3d_fp16_weights and not hasattr(plain, "d3d_fp16_weights")
+    assert packed_fp16(packed) and not packed_fp16(plain)
     layer_linears = [m for m in packed.model.layers.modules() if isinstance(m, nn.Linear) or _packed(m)]
     assert layer_linears and all(_packed(m) for m in layer_linears)
     assert isinstance(packed.lm_head, nn.Linear) and packed.lm_head.weight is packed.model.embed_tokens.weight
@@ -78,8 +78,8 @@ def test_a_packed_drafter_is_refused_as_a_checkpoint_and_loads_packed_on_request
     pickle.dumps(drafter)
     drafter.save_pretrained(tmp_path / "plain")
     loaded = load_drafter(str(tmp_path / "plain"), fp16_weights=True)
-    assert loaded.d3d_fp16_weights and _packed(loaded.draft_head())
-    assert not hasattr(load_drafter(str(tmp_path / "plain")), "d3d_fp16_weights")
+    assert packed_fp16(loaded) and _packed(loaded.draft_head())
+    assert not packed_fp16(load_drafter(str(tmp_path / "plain")))
     with pytest.raises(ValueError, match="cannot be saved"):
         loaded.save_pretrained(tmp_path / "packed")
     assert not (tmp_path / "packed").exists()  # refused before anything was written
@@ -125,7 +125,7 @@ def test_refused_where_it_does_not_apply():
         assert not fp16_weights_supported(drafter)
         with pytest.raises(ValueError, match=why):
             fp16_weights(drafter)
-        assert not hasattr(drafter, "d3d_fp16_weights")
+        assert not packed_fp16(drafter)
         assert all(isinstance(m, nn.Linear) for m in drafter.model.layers[0].mlp.children() if m._parameters)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationConfig
 
 import hf_d3d.skinny as skinny_mod
 from conftest import make_drafter, tiny_target
@@ -88,16 +89,17 @@ def test_one_row_only_with_min_rows_1(kernel, monkeypatch):
     torch.testing.assert_close(out, real(x, lin.weight, lin.bias))
 
 
-def test_marks_the_models_and_undoes_only_its_own_forwards():
+def test_marks_the_generation_configs_and_undoes_only_its_own_forwards():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model.generation_config = GenerationConfig()
     theirs = functools.partial(F.linear, weight=model[1].weight)  # say accelerate hooks it inside the block
     with skinny_linears(model, model) as n:  # a module listed twice is patched once
-        assert n == 2 and model.d3d_skinny_linears
+        assert n == 2 and model.generation_config.d3d_skinny
         model[1].forward = theirs
         with skinny_linears(model) as inner:  # nested: nothing left to patch, and the mark stays the outer one's
             assert inner == 0
-        assert model.d3d_skinny_linears
-    assert not hasattr(model, "d3d_skinny_linears")
+        assert model.generation_config.d3d_skinny
+    assert not hasattr(model.generation_config, "d3d_skinny")
     assert "forward" not in model[0].__dict__ and model[1].forward is theirs
 
 

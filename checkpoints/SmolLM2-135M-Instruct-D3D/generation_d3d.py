@@ -196,7 +196,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         async_drafting: bool | None = None,
         num_hypotheses: int | None = None,
         target_dtype: torch.dtype | str | None = None,
-        skinny: bool | None = None,
+        skinny: bool = False,
     ):
         self.drafter = drafter
         config = drafter.config
@@ -218,13 +218,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.async_drafting = bool(async_drafting)
         # Round costs measured for this device (kind of CPU) and target dtype (hf-d3d calibrate); without them every
         # round drafts in full. An fp32 target is assumed unless told: the assisted loop never shows us the target.
-        # Verify forwards cost less with few-row linears: inside hf_d3d.skinny_linears(target, drafter) the drafter
-        # carries a marker (``skinny``, if given, says so instead).
-        if skinny is None:
-            skinny = bool(getattr(drafter, "d3d_skinny_linears", False))
-        # Drafts cost less with fp16-stored weights (hf_d3d.fp16_weights marks the drafter).
-        fp16w = bool(getattr(drafter, "d3d_fp16_weights", False))
-        self.round_cost = find_round_cost(getattr(config, "round_cost", None), device.type, target_dtype, skinny, fp16w)
+        # ``skinny``: the target verifies with few-row linears (hf_d3d.skinny_linears), which cost less.
+        # Drafts cost less with fp16-stored weights, which hf_d3d.fp16_weights notes in the drafter's generation config.
+        fp16w = bool(getattr(drafter.generation_config, "d3d_fp16_weights", False))
+        costs = getattr(config, "round_cost", None)
+        self.round_cost = find_round_cost(costs, device.type, target_dtype, bool(skinny), fp16w)
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None
@@ -457,9 +455,10 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("D3D assisted generation does not support padded inputs (attention_mask with zeros)")
-    # the target's generation config, as transformers' assisted loop passes it to every assistant; D3D reads two
-    # optional fields from it: ``d3d_target_dtype`` (which calibrated round costs apply) and ``d3d_prefill_alone``
-    # (exact verification: no draft in the first round), both set by ``hf_d3d.exact_verification``
+    # the target's generation config, as transformers' assisted loop passes it to every assistant; D3D reads three
+    # optional fields from it: ``d3d_target_dtype`` and ``d3d_skinny`` (which calibrated round costs apply) and
+    # ``d3d_prefill_alone`` (exact verification: no draft in the first round). hf_d3d.exact_verification and
+    # hf_d3d.skinny_linears set them for their block.
     config = kwargs["generation_config"]
     # transformers <= 5.23 hands the assistant's state back as `past_key_values`, 5.24 renamed it `cache`
     generator = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -469,6 +468,7 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
             kwargs.get("logits_processor"),
             do_sample=bool(config.do_sample),
             target_dtype=getattr(config, "d3d_target_dtype", None),
+            skinny=getattr(config, "d3d_skinny", False),
         )
         drafter.last_stats = generator.stats
         if getattr(config, "d3d_prefill_alone", False) and not config.do_sample:
