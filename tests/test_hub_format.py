@@ -56,6 +56,7 @@ def test_remote_code_imports_only_torch_and_transformers(saved):
                 "functools",
                 "inspect",
                 "time",
+                "warnings",
             }
             assert roots <= allowed, (name, roots)
 
