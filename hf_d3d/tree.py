@@ -21,6 +21,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from hf_d3d.exact import EXACT_ATTENTION
+from hf_d3d.modeling.generation_d3d import best_length
 
 
 @dataclass
@@ -92,11 +93,7 @@ def tree_size(tree: DraftTree, round_cost: list[float] | None) -> int:
     """
     if not round_cost:
         return len(tree.tokens)
-    best_n, best = 0, 1.0 / round_cost[0]  # n = 0 costs at least as much as n = 1 and commits one token
-    for n, (value, cost) in enumerate(zip(tree.value, round_cost), start=1):
-        if value / cost > best:
-            best_n, best = n, value / cost
-    return max(best_n, 1)
+    return max(best_length(tree.value, round_cost), 1)  # the rule a chain's length follows
 
 
 def tree_inputs(

@@ -96,21 +96,30 @@ def choose_hypotheses(
     return [outcome for _, outcome in scored[:budget]]
 
 
-def draft_length(confidence: list[float], round_cost: list[float]) -> int:
-    """How many leading draft tokens to propose: the k with the most expected committed tokens per unit of cost.
-
-    ``confidence[i]`` is the drafter's probability that draft token i + 1 is right; ``round_cost[k - 1]`` is the
-    cost of a round that proposes k tokens. Such a round commits 1 + sum over i <= k of prod over j <= i of
-    ``confidence[j]`` tokens in expectation (the correction or bonus token always comes). Ties go to the shorter
-    draft; k never exceeds either list.
-    """
-    best_k, best, reach, expected = 0, 0.0, 1.0, 1.0
-    for k, (p, cost) in enumerate(zip(confidence, round_cost), start=1):
-        reach *= p
-        expected += reach
-        if expected / cost > best:
-            best_k, best = k, expected / cost
+def best_length(expected: list[float], round_cost: list[float]) -> int:
+    """The one "does it pay" rule of chains and trees: the k with the most expected committed tokens per unit of
+    round cost. ``expected[k - 1]``: tokens a round proposing k draft tokens commits in expectation (the target's
+    own token included); ``round_cost[k - 1]``: that round's cost. Ties go to the shorter; 0 only for empty lists."""
+    best_k, best = 0, 0.0
+    for k, (value, cost) in enumerate(zip(expected, round_cost), start=1):
+        if value / cost > best:
+            best_k, best = k, value / cost
     return best_k
+
+
+def draft_length(confidence: list[float], round_cost: list[float]) -> int:
+    """How many leading draft tokens of a chain to propose (:func:`best_length`).
+
+    ``confidence[i]`` is the drafter's probability that draft token i + 1 is right; a round proposing k tokens
+    commits 1 + sum over i <= k of prod over j <= i of ``confidence[j]`` tokens in expectation (the correction or
+    bonus token always comes). k never exceeds either list.
+    """
+    expected, reach, total = [], 1.0, 1.0
+    for p in confidence:
+        reach *= p
+        total += reach
+        expected.append(total)
+    return best_length(expected, round_cost)
 
 
 def round_cost_key(
