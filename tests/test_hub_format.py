@@ -57,6 +57,7 @@ def test_remote_code_imports_only_torch_and_transformers(saved):
                 "inspect",
                 "time",
                 "warnings",
+                "json",
             }
             assert roots <= allowed, (name, roots)
 

@@ -8,16 +8,18 @@ The drafter never reads the target's hidden states: it keeps its own KV cache ov
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.utils import cached_file
 
 from .attention_d3d import CONTEXT, D3DLayout, d3d_attention_mask
 from .configuration_d3d import D3DConfig
@@ -360,7 +362,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         self._draft_head = None
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Load safetensors weights only, and refuse a checkpoint whose tensors do not match the config.
 
         A checkpoint saved without its base weights (``config.base_model``) gets them from that LM here, fetched as
@@ -369,16 +371,36 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             raise ValueError("D3D drafters load safetensors weights only")
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)
-        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        missing = set(info.get("missing_keys") or ())
-        if missing and model.config.base_model and missing <= set(model.base_weight_names()):
-            model._load_base_weights(**hub)
-            info["missing_keys"] = set()
+        path = pretrained_model_name_or_path
+        state = _with_base_weights(path, kwargs) if kwargs.get("state_dict") is None and path is not None else None
+        if state is None:
+            model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
+        else:
+            # transformers takes a state dict only without a checkpoint path: config and generation config by hand
+            hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "revision") if k in kwargs}
+            overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in cls.config_class.__annotations__}
+            config = kwargs.pop("config", None) or cls.config_class.from_pretrained(path, **hub, **overrides)
+            for k in _HUB_KWARGS + ("revision",):
+                kwargs.pop(k, None)
+            model, info = super().from_pretrained(
+                None, *args, config=config, state_dict=state, output_loading_info=True, **kwargs
+            )
+            generation = cached_file(path, "generation_config.json", _raise_exceptions_for_missing_entries=False, **hub)
+            if generation is not None:
+                model.generation_config = GenerationConfig.from_pretrained(path, **hub)
+        with_base = state is not None
         bad = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
         if bad:
             # A partly random drafter would still be lossless but silently slow: say so instead.
             raise ValueError(f"drafter checkpoint does not match its config: {bad}")
+        want = model.config.base_model_checksum
+        if with_base and want is not None and abs(model.base_checksum() - want) > 1e-3 * abs(want):
+            warnings.warn(
+                f"the base LM {model.config.base_model!r} has other weights than the one this drafter was trained "
+                f"with (checksum {model.base_checksum():.6g}, expected {want:.6g}): drafts stay lossless, "
+                "acceptance may be lower",
+                stacklevel=2,
+            )
         return (model, info) if want_info else model
 
     def base_weight_names(self) -> list[str]:
@@ -399,55 +421,10 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
-    def _load_base_weights(self, **hub_kwargs) -> None:
-        from transformers import AutoModelForCausalLM
-
-        config = self.config
-        try:
-            lm = AutoModelForCausalLM.from_pretrained(
-                config.base_model, revision=config.base_model_revision, dtype=self.dtype, **hub_kwargs
-            )
-        except OSError as err:
-            raise OSError(
-                f"this drafter stores only its trained tensors and takes the rest from its base LM "
-                f"{config.base_model!r}, which could not be loaded (pass base_model=<local folder> to "
-                f"from_pretrained to use a copy you have): {err}"
-            ) from err
-        ids = config.target_layer_ids or list(range(config.num_hidden_layers))
-        self._copy_lm_weights(lm, ids)
-        checksum = self.base_checksum()
-        want = config.base_model_checksum
-        if want is not None and abs(checksum - want) > 1e-3 * abs(want):
-            warnings.warn(
-                f"the base LM {config.base_model!r} has other weights than the one this drafter was trained with "
-                f"(checksum {checksum:.6g}, expected {want:.6g}): drafts stay lossless, acceptance may be lower",
-                stacklevel=3,
-            )
-
-    @torch.no_grad()
     def base_checksum(self) -> float:
         """Sum of squares of the base weights (fp64), which tells one base LM from another."""
         params = dict(self.named_parameters())
         return float(sum(params[n].double().square().sum() for n in self.base_weight_names() if n in params))
-
-    @torch.no_grad()
-    def _copy_lm_weights(self, lm: PreTrainedModel, layer_ids: list[int]) -> None:
-        """Copy embeddings, final norm, head and layers ``layer_ids`` of a causal LM into this drafter."""
-        source = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-        if len(source.layers) <= max(layer_ids) or lm.config.get_text_config().vocab_size != self.config.vocab_size:
-            raise ValueError(
-                f"{type(lm).__name__} ({len(source.layers)} layers) does not match this drafter (layers "
-                f"{layer_ids}, vocab_size {self.config.vocab_size})"
-            )
-        self.model.embed_tokens.load_state_dict(source.embed_tokens.state_dict())
-        self.model.norm.load_state_dict(source.norm.state_dict())
-        if not self.config.tie_word_embeddings:
-            self.lm_head.load_state_dict(lm.get_output_embeddings().state_dict())
-        for mine, theirs in zip(self.model.layers, layer_ids):
-            missing, unexpected = mine.load_state_dict(_layer_state(source.layers[theirs]), strict=False)
-            if unexpected or any("norm" not in k and "block_adapters" not in k for k in missing):
-                raise ValueError(f"layer {theirs} does not map onto a D3D layer: {missing} {unexpected}")
-        self._draft_head = None
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, **kwargs):
@@ -557,7 +534,12 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         drafter = cls(config).to(dtype=target.dtype)
         rotary = drafter.model.rotary
         rotary.inv_freq = rotary.compute_inv_freq()[0]  # rotary frequencies stay fp32 whatever the weight dtype
-        drafter._copy_lm_weights(target, list(layer_ids))
+        state = _lm_state(target, list(layer_ids), config.tie_word_embeddings, config.vocab_size)
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        # norms a family lacks (q/k norms) stay at one; block adapters and the mask vector are the drafter's own
+        own = ("norm", "block_adapters", "mask_embedding") + (("lm_head",) if config.tie_word_embeddings else ())
+        if unexpected or any(all(o not in k for o in own) for k in missing):
+            raise ValueError(f"{type(target).__name__} does not map onto a D3D drafter: {missing} {unexpected}")
         if mask_token_id is None:
             # Start the learned mask vector at the mean token embedding: a neutral point the training moves from.
             drafter.model.mask_embedding.data.copy_(drafter.model.embed_tokens.weight.mean(0))
@@ -570,6 +552,53 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
 def _layer_state(layer: nn.Module) -> dict[str, torch.Tensor]:
     # Some families name the rotary / sliding window buffers inside layers; only parameters travel.
     return {k: v for k, v in layer.state_dict().items() if "rotary" not in k}
+
+
+def _lm_state(lm: PreTrainedModel, layer_ids: list[int], tied: bool, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A causal LM's embeddings, final norm, head (unless tied) and layers ``layer_ids``, under drafter names."""
+    source = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+    if len(source.layers) <= max(layer_ids) or lm.config.get_text_config().vocab_size != vocab_size:
+        raise ValueError(
+            f"{type(lm).__name__} ({len(source.layers)} layers) does not match this drafter (layers {layer_ids}, "
+            f"vocab_size {vocab_size})"
+        )
+    state = {"model.embed_tokens.weight": source.embed_tokens.weight}
+    state.update({f"model.norm.{k}": v for k, v in source.norm.state_dict().items()})
+    if not tied:
+        state["lm_head.weight"] = lm.get_output_embeddings().weight
+    for i, j in enumerate(layer_ids):
+        state.update({f"model.layers.{i}.{k}": v for k, v in _layer_state(source.layers[j]).items()})
+    return state
+
+
+def _with_base_weights(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
+    """For a checkpoint stored without its base weights: the whole state dict, its own tensors plus the base LM's
+    (fetched); ``None`` for a checkpoint stored whole."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import load_state_dict
+
+    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    find = functools.partial(cached_file, path, revision=kwargs.get("revision"), **hub)
+    config_file = find("config.json", _raise_exceptions_for_missing_entries=False)
+    weights_file = find("model.safetensors", _raise_exceptions_for_missing_entries=False)
+    if config_file is None or weights_file is None:
+        return None  # let from_pretrained report it
+    with open(config_file) as f:
+        config = json.load(f)
+    base = kwargs.get("base_model", config.get("base_model"))
+    stored = load_state_dict(weights_file)
+    if not base or "model.embed_tokens.weight" in stored:
+        return None
+    revision = kwargs.get("base_model_revision", config.get("base_model_revision"))
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=kwargs.get("dtype", "auto"), **hub)
+    except OSError as err:
+        raise OSError(
+            f"this drafter stores only its trained tensors and takes the rest from its base LM {base!r}, which could "
+            f"not be loaded (pass base_model=<local folder> to from_pretrained to use a copy you have): {err}"
+        ) from err
+    ids = config.get("target_layer_ids") or list(range(config["num_hidden_layers"]))
+    return {**_lm_state(lm, ids, bool(config.get("tie_word_embeddings")), config["vocab_size"]), **stored}
 
 
 def _shifted_index(layout: D3DLayout) -> torch.LongTensor:
