@@ -1,12 +1,12 @@
 """hf-d3d: lossless speculative decoding with a decoupled block-diffusion drafter (D3D)."""
 
 from hf_d3d.checks import check_pair, tokenizer_fingerprint
+from hf_d3d.cpu.fp16_weights import fp16_weights
+from hf_d3d.cpu.skinny import skinny_linears
 from hf_d3d.exact import exact_verification
-from hf_d3d.fp16_weights import fp16_weights
 from hf_d3d.modeling.configuration_d3d import D3DConfig
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, D3DStats
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-from hf_d3d.skinny import skinny_linears
 from hf_d3d.speculative import d3d_generate, speculative_generate
 
 __all__ = [

@@ -18,9 +18,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.exact import exact_verification
-from hf_d3d.skinny import skinny_by_default, skinny_linears
 from hf_d3d.speculative import speculative_generate
 
 Runner = Callable[[torch.Tensor], torch.Tensor]

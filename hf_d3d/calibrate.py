@@ -18,8 +18,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from hf_d3d.atomic import write_json_atomic
+from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, cache_kwarg
-from hf_d3d.skinny import skinny_by_default, skinny_linears
 
 
 def _timer(device: torch.device):

@@ -191,7 +191,7 @@ def _shown(path: str) -> str:
 def _cmd_bench(args: argparse.Namespace) -> None:
     from hf_d3d.bench import ALL_METHODS, run_bench, write_outputs
     from hf_d3d.checks import check_pair
-    from hf_d3d.fp16_weights import fp16_weights, fp16_weights_supported
+    from hf_d3d.cpu.fp16_weights import fp16_weights, fp16_weights_supported
     from hf_d3d.prompts import load_prompts
     from hf_d3d.targets import load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids
@@ -453,10 +453,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
 
     from hf_d3d.calibrate import measure_round_cost, write_round_cost
     from hf_d3d.checks import check_pair
+    from hf_d3d.cpu.fp16_weights import fp16_weights, fp16_weights_supported
+    from hf_d3d.cpu.skinny import skinny_by_default
     from hf_d3d.exact import exact_verification
-    from hf_d3d.fp16_weights import fp16_weights, fp16_weights_supported
     from hf_d3d.modeling.generation_d3d import cpu_kind, round_cost_key
-    from hf_d3d.skinny import skinny_by_default
     from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
 
     target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_d3d.atomic import atomic_folder
-from hf_d3d.fp16_weights import fp16_weights as pack_fp16
-from hf_d3d.fp16_weights import fp16_weights_supported
+from hf_d3d.cpu.fp16_weights import fp16_weights as pack_fp16
+from hf_d3d.cpu.fp16_weights import fp16_weights_supported
 
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "checkpoints" / "SmolLM2-135M-Instruct-D3D")

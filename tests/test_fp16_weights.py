@@ -8,7 +8,7 @@ from torch import nn
 
 from conftest import make_drafter, tiny_target
 from hf_d3d import D3DCandidateGenerator, fp16_weights, speculative_generate
-from hf_d3d.fp16_weights import fp16_weights_supported, packed_fp16
+from hf_d3d.cpu.fp16_weights import fp16_weights_supported, packed_fp16
 from hf_d3d.modeling.generation_d3d import round_cost_key
 from hf_d3d.publish import _cost_where
 

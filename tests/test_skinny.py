@@ -1,4 +1,4 @@
-"""Few-row linears (`hf_d3d.skinny`: oneDNN over packed weights, or weight @ input.T): same values, scoped, and only
+"""Few-row linears (`hf_d3d.cpu.skinny`: oneDNN over packed weights, or weight @ input.T): same values, scoped, and only
 where it applies."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig
 
-import hf_d3d.skinny as skinny_mod
+import hf_d3d.cpu.skinny as skinny_mod
 from conftest import make_drafter, tiny_target
 from hf_d3d import exact_verification, speculative_generate
-from hf_d3d.skinny import skinny_by_default, skinny_linears
+from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
 
 
 class _Scaled(nn.Linear):  # a Linear subclass (as quantized linears are): its own forward must stay
