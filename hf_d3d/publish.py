@@ -37,7 +37,7 @@ def load_metrics(checkpoint: Path) -> dict:
 
 def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
     config = json.loads((checkpoint / "config.json").read_text())
-    base = metrics.get("base_model") or config.get("_name_or_path") or "unknown"
+    base = metrics.get("base_model") or config.get("base_model") or config.get("_name_or_path") or "unknown"
     data = ModelCardData(
         base_model=base,
         library_name="transformers",
