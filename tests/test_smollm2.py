@@ -127,23 +127,36 @@ def test_calibrate_command_records_round_costs(tmp_path, capsys):
     assert main(["calibrate", "--drafter", str(tmp_path / "missing"), "--repeats", "1"]) == 2  # a clear error
 
 
-def test_committed_pruned_drafter_is_lossless_and_keeps_its_tau(pair):
-    """The pruned checkpoint loads through trust_remote_code with the depth its report states, and stays lossless."""
+def test_committed_whole_lm_drafter_loads_its_base_and_is_lossless(pair):
+    """The whole-LM checkpoint stores its adapters only; from_pretrained takes the 30 base layers from its base model."""
     import json
     from pathlib import Path
 
+    from safetensors import safe_open
+
+    from hf_d3d.targets import resolve_target
+
     target, tokenizer, _ = pair
-    folder = Path(DEFAULT_DRAFTER).with_name("SmolLM2-135M-Instruct-D3D-pruned")
-    report = json.loads((folder / "prune_report.json").read_text())
-    drafter = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32)
-    assert drafter.config.num_hidden_layers == report["final_layers"] == len(drafter.config.target_layer_ids)
-    assert drafter.config.target_layer_ids == report["kept_target_layers"]
-    assert report["final_tau"] >= report["retention_threshold"] * report["base_tau"]
-    x = torch.tensor([chat_prompt_ids(tokenizer, load_prompts("gsm8k:test", limit=1)[0])])
-    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
+    folder = Path(DEFAULT_DRAFTER).with_name("SmolLM2-135M-Instruct-D3D-whole")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["num_hidden_layers"] == 30
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    assert not any(".mlp." in k and "adapter" not in k for k in stored) and "lm_head.weight" not in stored
+    drafter = AutoModelForCausalLM.from_pretrained(
+        folder, trust_remote_code=True, dtype=torch.float32, base_model=resolve_target(None)
+    )
+    assert stored <= set(drafter.state_dict()) and len(drafter.model.layers) == 30
+    # the untouched base: layer 0's weights are the target's own
+    assert torch.equal(drafter.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight)
+    x = torch.tensor([chat_prompt_ids(tokenizer, load_prompts("sharegpt:heldout", limit=1)[0])])
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False)
     ref = target.generate(x, **kw)
-    assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
-    assert torch.equal(speculative_generate(target, drafter, x, max_new_tokens=64), ref)
+    with count_forwards(target) as calls:
+        out = target.generate(x, assistant_model=drafter, **kw)
+    assert torch.equal(out, ref)
+    assert (ref.shape[1] - x.shape[1]) / calls["n"] > 1.5  # shifted slots: at least the target's own next token
+    assert torch.equal(speculative_generate(target, drafter, x, max_new_tokens=48), ref)
 
 
 def test_bench_records_the_generate_speedup_and_its_setting_on_the_card(tmp_path):

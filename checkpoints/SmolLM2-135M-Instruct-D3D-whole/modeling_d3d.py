@@ -585,11 +585,13 @@ def _with_base_weights(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
         return None  # let from_pretrained report it
     with open(config_file) as f:
         config = json.load(f)
-    base = kwargs.get("base_model", config.get("base_model"))
+    # AutoModel.from_pretrained moves config kwargs (base_model=...) into the config object it passes on
+    given = kwargs.get("config")
+    base = kwargs.get("base_model", getattr(given, "base_model", config.get("base_model")))
     stored = load_state_dict(weights_file)
     if not base or "model.embed_tokens.weight" in stored:
         return None
-    revision = kwargs.get("base_model_revision", config.get("base_model_revision"))
+    revision = kwargs.get("base_model_revision", getattr(given, "base_model_revision", config.get("base_model_revision")))
     try:
         lm = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=kwargs.get("dtype", "auto"), **hub)
     except OSError as err:
