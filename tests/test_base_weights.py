@@ -57,7 +57,9 @@ def test_other_base_weights_warn_and_a_missing_base_is_a_clear_error(tmp_path):
     with pytest.warns(UserWarning, match="other weights"):
         D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "other"))
     with pytest.warns(UserWarning, match="other weights"):  # the Auto path hands base_model over inside the config
-        AutoModelForCausalLM.from_pretrained(tmp_path / "small", trust_remote_code=True, base_model=str(tmp_path / "other"))
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path / "small", trust_remote_code=True, base_model=str(tmp_path / "other")
+        )
     with pytest.raises(OSError, match="base LM"):
         D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "nowhere"))
     tiny_target("llama", layers=2).save_pretrained(tmp_path / "shallow")  # fewer layers than the drafter has

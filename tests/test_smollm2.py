@@ -128,7 +128,7 @@ def test_calibrate_command_records_round_costs(tmp_path, capsys):
 
 
 def test_committed_whole_lm_drafter_loads_its_base_and_is_lossless(pair):
-    """The whole-LM checkpoint stores its adapters only; from_pretrained takes the 30 base layers from its base model."""
+    """The whole-LM checkpoint stores its adapters only; from_pretrained takes the 30 base layers from its base."""
     import json
     from pathlib import Path
 

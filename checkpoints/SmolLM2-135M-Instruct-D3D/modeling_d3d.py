@@ -591,7 +591,8 @@ def _with_base_weights(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
     stored = load_state_dict(weights_file)
     if not base or "model.embed_tokens.weight" in stored:
         return None
-    revision = kwargs.get("base_model_revision", getattr(given, "base_model_revision", config.get("base_model_revision")))
+    revision = getattr(given, "base_model_revision", config.get("base_model_revision"))
+    revision = kwargs.get("base_model_revision", revision)
     try:
         lm = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=kwargs.get("dtype", "auto"), **hub)
     except OSError as err:
