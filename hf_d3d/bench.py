@@ -24,18 +24,21 @@ from hf_d3d.exact import exact_verification
 from hf_d3d.speculative import speculative_generate
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
-ALL_METHODS = ("plain", "assisted_ar", "prompt_lookup", "d3d_sync", "d3d_async", "d3d_fast")
+ALL_METHODS = ("plain", "assisted_ar", "prompt_lookup", "d3d_hub", "d3d_sync", "d3d_async", "d3d_fast")
+# d3d_hub: the path a Hub user takes, the drafter as `from_pretrained(..., trust_remote_code=True)` loads it and
+# `target.generate(assistant_model=drafter)` with no library call; the other d3d methods get the library's settings
+AS_USERS_RUN_IT = ("plain", "d3d_hub")
 
 
 def _runner(
-    method: str, target, drafter, ar_drafter, max_new: int, skinny: bool = False
+    method: str, target, drafter, ar_drafter, max_new: int, skinny: bool = False, hub_drafter=None
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     common = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=target.generation_config.pad_token_id)
 
     def gen(x, **kw):
         # every speculative peer gets the fast loop's few-row linears; plain generate runs as users run it
         models = [target] + ([kw["assistant_model"]] if "assistant_model" in kw else [])
-        with skinny_linears(*models) if skinny and method != "plain" else contextlib.nullcontext():
+        with skinny_linears(*models) if skinny and method not in AS_USERS_RUN_IT else contextlib.nullcontext():
             return target.generate(x, attention_mask=torch.ones_like(x), **common, **kw)
 
     if method == "plain":
@@ -44,6 +47,8 @@ def _runner(
         return lambda x: gen(x, prompt_lookup_num_tokens=10)
     if method == "assisted_ar":
         return lambda x: gen(x, assistant_model=ar_drafter)
+    if method == "d3d_hub":
+        return lambda x: gen(x, assistant_model=hub_drafter)
     if method in ("d3d_sync", "d3d_async"):
 
         def run(x):
@@ -78,12 +83,14 @@ def run_bench(
     warmup: int = 1,
     exact: bool = False,
     skinny: bool | None = None,
+    hub_drafter: PreTrainedModel | None = None,
 ) -> dict:
     """Run ``methods`` on every prompt; returns the result dict (per-method metrics and per-prompt records).
 
-    With ``exact``, every method but ``plain`` runs under :func:`hf_d3d.exact_verification`. ``skinny`` (default:
-    as the fast loop decides for ``target``): every method but ``plain`` computes its few-row linears as
-    :func:`hf_d3d.skinny_linears` does, the peers in transformers' loops included, so that only drafting differs.
+    With ``exact``, every method but ``plain`` and ``d3d_hub`` runs under :func:`hf_d3d.exact_verification`.
+    ``skinny`` (default: as the fast loop decides for ``target``): every method but those two computes its few-row
+    linears as :func:`hf_d3d.skinny_linears` does, the peers in transformers' loops included, so that only drafting
+    differs. ``d3d_hub`` runs ``hub_drafter`` (loaded as a Hub user loads it) exactly as a user's code would.
     """
     if skinny is None:
         skinny = skinny_by_default(target) and not exact
@@ -95,10 +102,13 @@ def run_bench(
         raise ValueError("method assisted_ar needs an autoregressive drafter (--ar-drafter)")
     if any(m.startswith("d3d") for m in methods) and drafter is None:
         raise ValueError("d3d methods need a D3D drafter")
+    if "d3d_hub" in methods and hub_drafter is None:
+        raise ValueError("method d3d_hub needs the drafter as from_pretrained(..., trust_remote_code=True) loads it")
     runners = {}
     for m in methods:
-        run = _runner(m, target, drafter, ar_drafter, max_new_tokens, skinny)
-        runners[m] = (_exact(run, target) if exact and m != "plain" else run, drafter if m.startswith("d3d") else None)
+        run = _runner(m, target, drafter, ar_drafter, max_new_tokens, skinny, hub_drafter)
+        stats = hub_drafter if m == "d3d_hub" else drafter if m.startswith("d3d") else None
+        runners[m] = (_exact(run, target) if exact and m not in AS_USERS_RUN_IT else run, stats)
     result = run_methods(target, runners, prompts_ids, max_new_tokens, warmup)
     result["skinny"] = skinny
     return result

@@ -227,6 +227,18 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             fp16_weights(ar)
     if fp16w:
         fp16_weights(drafter)
+    hub = None
+    if "d3d_hub" in methods:
+        from transformers import AutoModelForCausalLM
+
+        from hf_d3d.targets import DEFAULT_DRAFTER, resolve_target
+
+        # as a user's code loads it: remote code, its own dtype choice; the base LM (if the drafter stores none)
+        # from the same local copy the target came from, where the Hub would serve it to a user
+        path = args.drafter or DEFAULT_DRAFTER
+        base = drafter.config.base_model
+        local = {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
+        hub = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **local).to(target.device).eval()
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     if args.exact:
         from hf_d3d.exact import rows_match_decode
@@ -245,6 +257,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         ar_drafter=ar,
         exact=args.exact,
         skinny=False if args.no_skinny else None,
+        hub_drafter=hub,
     )
     result["command"] = (
         "hf-d3d bench"

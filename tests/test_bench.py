@@ -54,10 +54,14 @@ def test_bench_exact_runs_every_method_but_plain_under_exact_verification(monkey
     assert all(r["acceptance_lengths"][0] == 0 for r in result["records"]["d3d_sync"])
 
 
-def test_bench_gives_every_method_but_plain_the_skinny_linears(monkeypatch):
+def test_bench_gives_every_method_but_plain_and_the_hub_path_the_skinny_linears(monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     target = tiny_target("llama")
     drafter = make_drafter(target, block_size=4)
     ar = tiny_target("llama", seed=1)  # an autoregressive assistant with the same vocabulary
+    drafter.save_pretrained(tmp_path / "d")
+    hub = AutoModelForCausalLM.from_pretrained(tmp_path / "d", trust_remote_code=True).eval()
     now, seen = {}, []  # seen: (method, model, was its LM head's forward the skinny one) per LM head call
     real_runner = bench._runner
 
@@ -66,16 +70,23 @@ def test_bench_gives_every_method_but_plain_the_skinny_linears(monkeypatch):
         return lambda x: (now.update(method=method), run(x))[1]
 
     monkeypatch.setattr(bench, "_runner", tagged_runner)
-    for name, model in (("target", target), ("drafter", drafter), ("ar", ar)):
+    for name, model in (("target", target), ("drafter", drafter), ("ar", ar), ("hub", hub)):
         model.lm_head.register_forward_pre_hook(
             lambda module, args, name=name: seen.append((now["method"], name, "forward" in module.__dict__))
         )
-    methods = ["plain", "assisted_ar", "prompt_lookup", "d3d_sync", "d3d_fast"]
-    result = bench.run_bench(target, drafter, [[5, 6, 7], [8, 9]], methods, max_new_tokens=6, ar_drafter=ar)
+    methods = ["plain", "assisted_ar", "prompt_lookup", "d3d_hub", "d3d_sync", "d3d_fast"]
+    result = bench.run_bench(
+        target, drafter, [[5, 6, 7], [8, 9]], methods, max_new_tokens=6, ar_drafter=ar, hub_drafter=hub
+    )
     assert result["skinny"] and result["all_identical"]  # fp32 on CPU: on by default
-    assert {(m, who) for m, who, _ in seen} >= {("plain", "target"), ("assisted_ar", "ar"), ("d3d_sync", "drafter")}
-    for method, who, patched in seen:
-        assert patched == (method != "plain"), (method, who)  # plain as users run it; every peer patched
+    want = {("plain", "target"), ("assisted_ar", "ar"), ("d3d_sync", "drafter"), ("d3d_hub", "hub")}
+    assert {(m, who) for m, who, _ in seen} >= want
+    assert ("d3d_hub", "drafter") not in {(m, who) for m, who, _ in seen}  # the Hub path drafts with its own copy
+    assert result["methods"]["d3d_hub"]["acceptance_histogram"]  # its rounds, read from its own stats
+    for method, who, patched in seen:  # plain and the Hub path as users run them; every other peer patched
+        assert patched == (method not in ("plain", "d3d_hub")), (method, who)
+    with pytest.raises(ValueError, match="d3d_hub needs"):
+        bench.run_bench(target, drafter, [[5, 6]], ["d3d_hub"], max_new_tokens=4)
     seen.clear()
     result = bench.run_bench(target, drafter, [[5, 6]], ["d3d_sync", "d3d_fast"], max_new_tokens=6, skinny=False)
     assert seen and not any(patched for *_, patched in seen) and not result["skinny"]

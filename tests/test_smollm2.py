@@ -167,9 +167,10 @@ def test_bench_records_the_generate_speedup_and_its_setting_on_the_card(tmp_path
     from hf_d3d.publish import load_metrics, render_card
 
     folder = shutil.copytree(DEFAULT_DRAFTER, tmp_path / "drafter")
-    args = ["bench", "--drafter", str(folder), "--methods", "plain,d3d_sync", "--num-prompts", "1"]
+    args = ["bench", "--drafter", str(folder), "--methods", "plain,d3d_hub,d3d_sync", "--num-prompts", "1"]
     assert main([*args, "--max-new-tokens", "8", "--out", str(tmp_path / "r.json"), "--write-metrics"]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
+    assert result["methods"]["d3d_hub"]["identical_to_plain"]  # the drafter as AutoModel loads it, no library call
     row = next(r for r in load_metrics(folder)["rows"] if r["dataset"] == "gsm8k:test")
     assert row["speedup"] == result["methods"]["d3d_sync"]["speedup"] and row["speedup_command"] == result["command"]
     setting = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {torch.get_num_threads()} threads"
