@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from hf_d3d.atomic import atomic_folder
 from hf_d3d.cpu.fp16_weights import fp16_weights as pack_fp16
 from hf_d3d.cpu.fp16_weights import fp16_weights_supported
+from hf_d3d.modeling.modeling_d3d import D3DDrafterModel, cpu_computes_bf16
 
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_DRAFTER = str(Path(__file__).resolve().parents[1] / "checkpoints" / "SmolLM2-135M-Instruct-D3D")
@@ -88,15 +89,6 @@ def load_target(
     return model, tokenizer
 
 
-def cpu_computes_bf16() -> bool:
-    """Whether oneDNN runs bf16 on this CPU with AVX512 or newer units (natively on AVX512-BF16 / AMX); an
-    AVX2-only CPU emulates bf16 matrix multiplies, slower than fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: assume the stored dtype is fine
-        return True
-
-
 def load_drafter(
     name_or_path: str | None = None,
     dtype: torch.dtype | str = "auto",
@@ -113,14 +105,13 @@ def load_drafter(
     it computes in fp32. Measured (``scripts/side_by_side.py``, README): on an Intel Xeon with AMX bf16 units a bf16
     drafter decoded faster than fp32 at the same tau; on an AVX2 AMD EPYC, slower.
     """
-    from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-
     on_cpu = device is None or torch.device(device).type == "cpu"
-    if dtype == "auto" and on_cpu and not cpu_computes_bf16():
-        dtype = torch.float32
     path = name_or_path or DEFAULT_DRAFTER
     try:
-        base = D3DDrafterModel.config_class.from_pretrained(path).base_model
+        config = D3DDrafterModel.config_class.from_pretrained(path)
+        if dtype == "auto":  # decided here, for the device asked for (from_pretrained alone decides for the machine)
+            dtype = torch.float32 if on_cpu and not cpu_computes_bf16() else (config.dtype or torch.float32)
+        base = config.base_model
         # a drafter stored without its base LM fetches it; the embedded default comes from its local copy
         local_base = {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
         drafter = D3DDrafterModel.from_pretrained(path, dtype=dtype, **local_base)

@@ -32,6 +32,15 @@ _SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "proxies")
 
 
+def cpu_computes_bf16() -> bool:
+    """Whether oneDNN runs bf16 on this CPU with AVX512 or newer units (natively on AVX512-BF16 / AMX); an
+    AVX2-only CPU emulates bf16 matrix multiplies, slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: assume the stored dtype is fine
+        return True
+
+
 class D3DRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -365,11 +374,17 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Load safetensors weights only, and refuse a checkpoint whose tensors do not match the config.
 
+        With no ``dtype`` (or ``"auto"``) on a machine without a GPU whose CPU has no bf16 units, a bf16 checkpoint
+        is loaded in fp32, which such a CPU multiplies faster than the bf16 it would emulate.
+
         A checkpoint saved without its base weights (``config.base_model``) gets them from that LM here, fetched as
         ``AutoModelForCausalLM.from_pretrained`` fetches any model (Hub cache, ``revision``, offline mode)."""
         if kwargs.get("use_safetensors") is False:
             raise ValueError("D3D drafters load safetensors weights only")
         kwargs["use_safetensors"] = True
+        if kwargs.get("dtype", "auto") == "auto" and "torch_dtype" not in kwargs and kwargs.get("device_map") is None:
+            if not torch.cuda.is_available() and not cpu_computes_bf16():
+                kwargs["dtype"] = torch.float32  # a bf16 checkpoint on an AVX2-only machine: fp32 is faster there
         want_info = kwargs.pop("output_loading_info", False)
         path = pretrained_model_name_or_path
         state = _with_base_weights(path, kwargs) if kwargs.get("state_dict") is None and path is not None else None
