@@ -9,6 +9,7 @@ Progress is saved after every step (``prune_state.json``), so an interrupted run
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -250,8 +251,10 @@ def make_healer(records: list[dict], out_dir: str | Path, config: TrainConfig) -
 
     def heal(drafter: D3DDrafterModel, removed: list[int]) -> None:
         run = Path(out_dir) / f"heal-{len(removed)}"
+        # a drafter with block adapters heals them alone: its LM (and the first slot, its next token) stays exact
+        cfg = dataclasses.replace(config, adapters_only=True) if drafter.config.block_adapter_rank else config
         if not (run / FINAL).is_dir():  # atomic_folder: the final folder exists only once complete
-            train(drop_layers(drafter, removed), records, run, config)
+            train(drop_layers(drafter, removed), records, run, cfg)
         healed = D3DDrafterModel.from_pretrained(run / FINAL, dtype=drafter.dtype).state_dict()
         keep = [i for i in range(drafter.config.num_hidden_layers) if i not in set(removed)]
         back = _renumber_layers(healed, dict(enumerate(keep)))

@@ -92,6 +92,16 @@ def heal_records(tmp_path_factory):
     return load_records(data_dir)
 
 
+def test_a_drafter_with_block_adapters_heals_its_adapters_alone(heal_records, tmp_path):
+    lm = tiny_target("llama", seed=11)
+    drafter = D3DDrafterModel.from_pretrained_lm(lm, block_size=4, block_adapter_rank=4, block_adapter_layers=[1, 2])
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    cfg = TrainConfig(max_steps=6, batch_size=8, lr=3e-3, warmup_steps=1, save_every=1000)
+    make_healer(heal_records, tmp_path, cfg)(drafter, [0])  # layer 0 gone; layers 1, 2 healed in place
+    changed = {k for k, v in drafter.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all("block_adapters" in k for k in changed), sorted(changed)
+
+
 def _layer(model, i):
     return {k: v.clone() for k, v in model.model.layers[i].state_dict().items()}
 
