@@ -59,12 +59,22 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
     if prune.is_file():
         rep = json.loads(prune.read_text())
         judged = rep.get("judge") or f"measured tau on {rep['calibration_prompts']} calibration prompts"
-        pruning = (
-            f"Pruned from {rep['final_layers'] + len(rep['removed_layers'])} to {rep['final_layers']} layers "
-            f"(removed target layers {rep['removed_target_layers']}); tau {rep['base_tau']:.2f} -> "
-            f"{rep['final_tau']:.2f} ({judged})"
-            + (", each removal healed by a short fine-tune." if rep.get("healed") else ".")
-        )
+        cheapest = next((s for s in rep["steps"][1:] if not s.get("accepted", True)), None)
+        if not rep["removed_layers"] and cheapest is not None:
+            pruning = (
+                f"Pruning by tau (`hf-d3d prune`, {judged}) removed no layer: without its cheapest layer "
+                f"({cheapest['removed']}) the drafter kept {cheapest['retention']:.1%} of its tau "
+                f"({rep['base_tau']:.2f} -> {cheapest['tau']:.2f}), under the {rep['retention_threshold']:.0%} asked."
+            )
+        elif not rep["removed_layers"]:
+            pruning = "Not pruned."
+        else:
+            pruning = (
+                f"Pruned from {rep['final_layers'] + len(rep['removed_layers'])} to {rep['final_layers']} layers "
+                f"(removed target layers {rep['removed_target_layers']}); tau {rep['base_tau']:.2f} -> "
+                f"{rep['final_tau']:.2f} ({judged})"
+                + (", each removal healed by a short fine-tune." if rep.get("healed") else ".")
+            )
     else:
         pruning = "Not pruned."
     card = ModelCard.from_template(

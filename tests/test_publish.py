@@ -50,6 +50,21 @@ def test_card_metadata_is_valid(checkpoint, tmp_path):
     assert "draft vocabulary" not in card.text and "round costs" not in card.text
 
 
+def test_card_states_a_pruning_that_removed_no_layer_and_why(checkpoint):
+    from hf_d3d.publish import load_metrics, render_card
+
+    rejected = {"layers": 2, "removed": 1, "tau": 2.0, "retention": 2.0 / 2.4, "accepted": False}
+    report = {
+        "base_tau": 2.4, "retention_threshold": 0.99, "removed_layers": [], "removed_target_layers": [],
+        "final_layers": 3, "final_tau": 2.4, "judge": "teacher-forced tau on 16 answers x 8 blocks",
+        "steps": [{"layers": 3, "removed": None, "tau": 2.4}, rejected],
+    }  # fmt: skip
+    (checkpoint / "prune_report.json").write_text(json.dumps(report))
+    card = render_card(checkpoint, "someone/x", load_metrics(checkpoint))
+    assert "removed no layer" in card and "(1) the drafter kept 83.3% of its tau (2.40 -> 2.00)" in card
+    assert "Pruned from" not in card
+
+
 def test_card_states_the_draft_vocabulary(tmp_path):
     drafter = make_drafter(tiny_target("qwen3"), block_size=4)
     drafter.set_draft_vocab(list(range(24)))
