@@ -131,32 +131,24 @@ def test_committed_checkpoints_ship_the_current_remote_code():
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_from_pretrained_alone_loads_fp32_where_the_cpu_emulates_bf16(saved, monkeypatch, native_bf16):
-    """The plain Hub path (no dtype given) on a machine without a GPU: bf16 where the CPU computes it, else fp32."""
+def test_auto_dtype_computes_in_fp32_where_the_cpu_emulates_bf16(saved, monkeypatch, native_bf16):
+    """A bf16 checkpoint keeps bf16 on a CPU with bf16 units and computes in fp32 on one without (AVX2): through
+    ``load_drafter``, and through ``from_pretrained`` alone (the Hub path) on a machine without a GPU."""
+    from hf_d3d import targets
     from hf_d3d.modeling import modeling_d3d
 
     _, drafter, folder = saved
-    drafter.to(torch.bfloat16).save_pretrained(folder.parent / "bf16")
+    bf16 = folder.parent / "bf16"
+    drafter.to(torch.bfloat16).save_pretrained(bf16)
     drafter.to(torch.float32)
+    want = torch.bfloat16 if native_bf16 else torch.float32
+    monkeypatch.setattr(targets, "cpu_computes_bf16", lambda: native_bf16)
+    assert targets.load_drafter(str(bf16)).dtype == want
+    assert targets.load_drafter(str(bf16), dtype=torch.bfloat16).dtype == torch.bfloat16
     monkeypatch.setattr(modeling_d3d, "cpu_computes_bf16", lambda: native_bf16)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    loaded = D3DDrafterModel.from_pretrained(folder.parent / "bf16")
-    assert loaded.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert D3DDrafterModel.from_pretrained(bf16).dtype == want
     for asked in (torch.bfloat16, "bfloat16"):  # an explicit dtype is the user's choice
-        assert D3DDrafterModel.from_pretrained(folder.parent / "bf16", dtype=asked).dtype == torch.bfloat16
+        assert D3DDrafterModel.from_pretrained(bf16, dtype=asked).dtype == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: the stored dtype, as transformers
-    assert D3DDrafterModel.from_pretrained(folder.parent / "bf16").dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_auto_dtype_computes_in_fp32_where_the_cpu_emulates_bf16(saved, monkeypatch, native_bf16):
-    """A bf16 checkpoint keeps bf16 on a CPU with bf16 units and computes in fp32 on one without (AVX2)."""
-    from hf_d3d import targets
-
-    _, drafter, folder = saved
-    drafter.to(torch.bfloat16).save_pretrained(folder.parent / "bf16")
-    drafter.to(torch.float32)
-    monkeypatch.setattr(targets, "cpu_computes_bf16", lambda: native_bf16)
-    loaded = targets.load_drafter(str(folder.parent / "bf16"))
-    assert loaded.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
-    assert targets.load_drafter(str(folder.parent / "bf16"), dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert D3DDrafterModel.from_pretrained(bf16).dtype == torch.bfloat16
