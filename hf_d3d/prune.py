@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -221,15 +222,21 @@ def prune(
         "max_new_tokens": max_new_tokens,
     }
     if holdout_ids:
+        before = drafter
+        if original is not None:  # healing rewrote the drafter's layers in place: "before" is the drafter as given
+            before = copy.deepcopy(drafter)
+            before.load_state_dict(original)
         report["holdout"] = {
             "prompts": len(holdout_ids),
-            "tau_before": measure_tau(target, drafter, holdout_ids, max_new_tokens)["tau"],
+            "tau_before": measure_tau(target, before, holdout_ids, max_new_tokens)["tau"],
             "tau_after": measure_tau(target, pruned, holdout_ids, max_new_tokens)["tau"],
         }
         report["holdout"]["retention"] = report["holdout"]["tau_after"] / report["holdout"]["tau_before"]
     with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
-        # unhealed, its layers are still the base LM's own: store what training changed, as the drafter was
-        pruned.save_pretrained(tmp, omit_base_weights=heal is None and bool(pruned.config.base_model))
+        # unhealed or healed in its adapters alone, its layers are still the base LM's own: store what training
+        # changed, as the drafter was
+        base_kept = heal is None or bool(pruned.config.block_adapter_rank)
+        pruned.save_pretrained(tmp, omit_base_weights=base_kept and bool(pruned.config.base_model))
         write_json_atomic(tmp / REPORT, report)
     write_json_atomic(out / REPORT, report)
     plot_report(report, out / "prune_tau.png")
@@ -255,11 +262,18 @@ def make_healer(records: list[dict], out_dir: str | Path, config: TrainConfig) -
         cfg = dataclasses.replace(config, adapters_only=True) if drafter.config.block_adapter_rank else config
         if not (run / FINAL).is_dir():  # atomic_folder: the final folder exists only once complete
             train(drop_layers(drafter, removed), records, run, cfg)
-        healed = D3DDrafterModel.from_pretrained(run / FINAL, dtype=drafter.dtype).state_dict()
+        # the tensors the heal stored: all of them, or (adapters alone, base LM kept) the adapters; what it did not
+        # store, it did not change
+        healed = {}
+        for file in sorted((run / FINAL).glob("*.safetensors")):
+            healed.update(load_file(file))
         keep = [i for i in range(drafter.config.num_hidden_layers) if i not in set(removed)]
         back = _renumber_layers(healed, dict(enumerate(keep)))
         missing, unexpected = drafter.load_state_dict(back, strict=False)
-        stray = [k for k in missing if not any(k.startswith(f"model.layers.{i}.") for i in removed)]
+        whole = "model.embed_tokens.weight" in healed
+        tied = {"lm_head.weight"} if drafter.config.tie_word_embeddings else set()  # stored once, as the embeddings
+        gone = tuple(f"model.layers.{i}." for i in removed)
+        stray = [k for k in missing if not k.startswith(gone) and k not in tied] if whole else []
         if stray or unexpected:
             raise ValueError(f"healed weights do not fit the drafter (missing {stray}, unexpected {unexpected})")
 

@@ -92,12 +92,19 @@ def heal_records(tmp_path_factory):
     return load_records(data_dir)
 
 
-def test_a_drafter_with_block_adapters_heals_its_adapters_alone(heal_records, tmp_path):
+def test_a_drafter_with_block_adapters_heals_its_adapters_alone(heal_records, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     lm = tiny_target("llama", seed=11)
     drafter = D3DDrafterModel.from_pretrained_lm(lm, block_size=4, block_adapter_rank=4, block_adapter_layers=[1, 2])
+    # a base LM on the Hub that this machine cannot reach: the heal must not need it
+    drafter.config.base_model = "org/unreachable-base"
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     cfg = TrainConfig(max_steps=6, batch_size=8, lr=3e-3, warmup_steps=1, save_every=1000)
     make_healer(heal_records, tmp_path, cfg)(drafter, [0])  # layer 0 gone; layers 1, 2 healed in place
+    with safe_open(tmp_path / "heal-1" / "final" / "model.safetensors", "pt") as f:
+        assert all("block_adapters" in k or k == "model.mask_embedding" for k in f.keys())  # stored: adapters only
     changed = {k for k, v in drafter.state_dict().items() if not torch.equal(v, before[k])}
     assert changed and all("block_adapters" in k for k in changed), sorted(changed)
 
@@ -121,10 +128,13 @@ def test_healing_trains_the_smaller_drafter_and_resumes_without_retraining(
         target_depth=2,
         max_new_tokens=24,
         heal=make_healer(heal_records, tmp_path, cfg),
+        holdout_ids=prompts,
     )
     step = report["steps"][1]
     assert step["accepted"] and "healed_tau" in step and report["final_tau"] == step["healed_tau"]
     assert report["healed"] is True
+    # "before" is the drafter as it was given, not the one the heals rewrote in place
+    assert report["holdout"]["tau_before"] == measure_tau(target, drafter, prompts, 24)["tau"]
     removed = step["removed"]
     keep = [i for i in range(3) if i != removed]
     # The heal trained a 2-layer copy; its layers are written back into the kept layers, which have moved.
