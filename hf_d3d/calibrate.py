@@ -19,7 +19,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from hf_d3d.atomic import write_json_atomic
 from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
-from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, cache_kwarg
+from hf_d3d.modeling.compat_d3d import cache_kwarg
+from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 
 
 def _timer(device: torch.device):

@@ -25,7 +25,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from hf_d3d.modeling.generation_d3d import cache_kwarg
+from hf_d3d.modeling.compat_d3d import cache_kwarg
 
 EXACT_ATTENTION = "d3d_exact_sdpa"
 

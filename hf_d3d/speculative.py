@@ -30,7 +30,8 @@ from transformers.generation import (
 from hf_d3d.checks import check_pair
 from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
 from hf_d3d.exact import is_exact
-from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, cache_kwarg
+from hf_d3d.modeling.compat_d3d import cache_kwarg
+from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 

@@ -11,7 +11,7 @@ from transformers import LlamaForCausalLM
 from conftest import VOCAB, make_drafter, prompts, tiny_target
 from hf_d3d import exact
 from hf_d3d.exact import EXACT_ATTENTION, exact_verification, is_exact, rows_match_decode
-from hf_d3d.modeling.generation_d3d import cache_kwarg
+from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.speculative import speculative_generate
 
 TARGET = tiny_target("llama", layers=3).to(torch.bfloat16)

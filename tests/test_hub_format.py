@@ -14,7 +14,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 from conftest import make_drafter, tiny_target
 from hf_d3d import D3DDrafterModel
 
-REMOTE_FILES = {"configuration_d3d.py", "modeling_d3d.py", "attention_d3d.py", "generation_d3d.py"}
+REMOTE_FILES = {"configuration_d3d.py", "modeling_d3d.py", "attention_d3d.py", "generation_d3d.py", "compat_d3d.py"}
 
 
 @pytest.fixture

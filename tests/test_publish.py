@@ -20,6 +20,7 @@ EXPECTED = {
     "modeling_d3d.py",
     "attention_d3d.py",
     "generation_d3d.py",
+    "compat_d3d.py",
     METRICS,
 }
 

@@ -14,7 +14,7 @@ from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogits
 
 from conftest import FAMILIES, VOCAB, make_drafter, prompts, tiny_target
 from hf_d3d import speculative_generate
-from hf_d3d.modeling.generation_d3d import cache_kwarg
+from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.tree import DraftTree, build_tree, keep_path, tree_inputs, tree_size, verify_tree_greedy
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}

@@ -11,13 +11,14 @@ from conftest import EOS, FAMILIES, VOCAB, prompts, tiny_target
 from hf_d3d import D3DDrafterModel, speculative
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.modeling.attention_d3d import pack_blocks
+from hf_d3d.modeling.compat_d3d import MODEL_OUTPUT_CACHE_FIELD
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
 WHOLE = {fam: D3DDrafterModel.from_pretrained_lm(t, block_size=4) for fam, t in TARGETS.items()}
 
 
 def _cache(out):
-    return getattr(out, "cache", None) or out.past_key_values  # its name from transformers 5.24, and before
+    return getattr(out, MODEL_OUTPUT_CACHE_FIELD)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

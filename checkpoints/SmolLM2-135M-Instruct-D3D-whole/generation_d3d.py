@@ -8,8 +8,6 @@ drafter state (its KV cache over committed tokens, its statistics) lives exactly
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -19,6 +17,7 @@ from transformers.generation import CandidateGenerator, LogitsProcessorList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention_d3d import pack_blocks
+from .compat_d3d import GENERATE_OUTPUT_CACHE_FIELD, cache_kwarg, passed_cache
 
 
 @dataclass
@@ -137,19 +136,6 @@ def round_cost_key(
     device = f"{device_type}-{machine.lower().replace(' ', '')}" if machine else device_type
     device += ("+skinny" if skinny else "") + ("+fp16w" if fp16_weights else "")
     return device if name == "float32" else f"{device}:{name}"
-
-
-@functools.lru_cache
-def _forward_takes_cache(model_type: type) -> bool:
-    return "cache" in inspect.signature(model_type.forward).parameters
-
-
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The keyword a model's forward takes its KV cache by: ``cache`` from transformers 5.24 (which still accepts
-    ``past_key_values``, with a deprecation warning), ``past_key_values`` before (and in drafters of older revisions
-    of these files). Read from the model's class, so an instance-level wrapper (accelerate's hooks) does not hide
-    it."""
-    return "cache" if _forward_takes_cache(type(model)) else "past_key_values"
 
 
 def cpu_kind() -> str:
@@ -469,8 +455,7 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     # ``d3d_prefill_alone`` (exact verification: no draft in the first round). hf_d3d.exact_verification and
     # hf_d3d.skinny_linears set them for their block.
     config = kwargs["generation_config"]
-    # transformers <= 5.23 hands the assistant's state back as `past_key_values`, 5.24 renamed it `cache`
-    generator = kwargs.get("cache", kwargs.get("past_key_values"))
+    generator = passed_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
     if not isinstance(generator, D3DCandidateGenerator):
         generator = D3DCandidateGenerator(
             drafter,
@@ -491,5 +476,6 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
 
 
 def _assistant_output(sequences, scores, generator) -> GenerateDecoderOnlyOutput:
-    state_field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores.unbind(1)), **{state_field: generator})
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences, scores=tuple(scores.unbind(1)), **{GENERATE_OUTPUT_CACHE_FIELD: generator}
+    )

@@ -22,10 +22,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import cached_file
 
 from .attention_d3d import CONTEXT, D3DLayout, d3d_attention_mask
+from .compat_d3d import MODEL_OUTPUT_CACHE_FIELD, passed_cache
 from .configuration_d3d import D3DConfig
-
-# The output's cache field: `cache` from transformers 5.24, `past_key_values` before.
-_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 _SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
 # from_pretrained keywords that say how to reach the Hub; a base LM is fetched with the same ones
@@ -286,9 +284,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         the distribution the drafter proposes from, at a sixth of the head's cost for 8k of 49k tokens).
         ``past_key_values``: the KV cache under its name before transformers 5.24 (whose generate passes ``cache``).
         """
-        if cache is not None and past_key_values is not None:
-            raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
-        cache = cache if cache is not None else past_key_values
+        cache = passed_cache(cache, past_key_values)
         past = cache.get_seq_length() if cache is not None else 0
         if layout is None:
             layout = _causal_layout(input_ids, past, position_ids)
@@ -310,7 +306,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             hidden = hidden[:, logits_to_keep]
         if draft_logits and self.config.draft_vocab_size is None:
             raise ValueError("draft_logits=True needs a draft vocabulary (set_draft_vocab)")
-        return CausalLMOutputWithPast(logits=self._logits(hidden, draft_logits), **{_CACHE_FIELD: cache})
+        return CausalLMOutputWithPast(logits=self._logits(hidden, draft_logits), **{MODEL_OUTPUT_CACHE_FIELD: cache})
 
     def _logits(self, hidden: torch.Tensor, draft_only: bool = False) -> torch.Tensor:
         """Full-vocabulary logits; with a draft vocabulary (at inference) tokens outside it get ``-inf``.

@@ -1,0 +1,42 @@
+"""Every transformers-version difference the D3D files meet, in one place.
+
+transformers 5.24 renamed the KV cache from ``past_key_values`` to ``cache``: the keyword of a model's ``forward``
+(which still accepts the old name, with a deprecation warning), the field of model and generate outputs, and the
+keyword by which the assisted loop hands an assistant its state back. Drafters saved by older revisions of these
+files take ``past_key_values`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+def _cache_field(output_type: type) -> str:
+    return "cache" if "cache" in output_type.__dataclass_fields__ else "past_key_values"
+
+
+MODEL_OUTPUT_CACHE_FIELD = _cache_field(CausalLMOutputWithPast)
+GENERATE_OUTPUT_CACHE_FIELD = _cache_field(GenerateDecoderOnlyOutput)
+
+
+@functools.lru_cache
+def _forward_takes_cache(model_type: type) -> bool:
+    return "cache" in inspect.signature(model_type.forward).parameters
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by. Read from the model's class, so an instance-level
+    wrapper (accelerate's hooks) does not hide it."""
+    return "cache" if _forward_takes_cache(type(model)) else "past_key_values"
+
+
+def passed_cache(cache, past_key_values):
+    """The one KV cache a caller passed, under either name."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
+    return cache if cache is not None else past_key_values
