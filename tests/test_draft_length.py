@@ -13,6 +13,7 @@ from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 from conftest import EOS, FAMILIES, make_drafter, prompts, tiny_target
 from hf_d3d import D3DCandidateGenerator, D3DConfig, speculative_generate
 from hf_d3d.calibrate import measure_round_cost, write_round_cost
+from hf_d3d.evaluate import count_forwards
 from hf_d3d.modeling.generation_d3d import cpu_kind, draft_length, round_cost_key
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -35,6 +36,7 @@ def test_draft_length_examples():
     assert draft_length([0.9, 0.6, 0.3, 0.3, 0.3], steps) == 2  # the step does not pay for unlikely tokens
     assert draft_length([0.9] * 4, [1.0] * 4) == 4  # free tokens are always worth proposing
     assert draft_length([0.5, 0.5], [1.0, 3.0]) == 1
+    assert draft_length([0.3, 0.3], [1.8, 1.9]) == 0  # no draft beats a plain step: 1.3 tokens for 1.8 steps
     assert draft_length([], [1.0]) == 0 and draft_length([0.5], []) == 0
 
 
@@ -42,10 +44,10 @@ def test_draft_length_examples():
 def test_draft_length_maximises_expected_tokens_per_cost(pairs):
     confidence, costs = [p for p, _ in pairs], [c for _, c in pairs]
     k = draft_length(confidence, costs)
-    rates = [expected_tokens(confidence, j) / costs[j - 1] for j in range(1, len(pairs) + 1)]
-    assert 1 <= k <= len(pairs)
-    assert rates[k - 1] == pytest.approx(max(rates))
-    assert all(r < rates[k - 1] or j >= k for j, r in enumerate(rates, 1))  # ties go to the shorter draft
+    rates = [1.0] + [expected_tokens(confidence, j) / costs[j - 1] for j in range(1, len(pairs) + 1)]  # k = 0..n
+    assert 0 <= k <= len(pairs)
+    assert rates[k] == pytest.approx(max(rates))
+    assert all(r < rates[k] or j >= k for j, r in enumerate(rates))  # ties go to the shorter draft
 
 
 def plain(target, x, max_new, eos, **kw):
@@ -97,6 +99,69 @@ def test_costly_rounds_propose_one_token_and_free_ones_the_whole_block(oracle, f
         assert torch.equal(decode(target, drafter, x, 30, None, fast, costs), ref)
         full = drafter.last_stats.acceptance_lengths[:-1]  # the last round may be cut by max_new_tokens
         assert full and all(a == per_round for a in full)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rounds_that_cannot_pay_propose_nothing(oracle, fast):
+    """Where no draft beats a plain decode step, greedy rounds verify the target's own token alone."""
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    oracle.target = target
+    x = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(decode(target, drafter, x, 20, None, fast, [9.0] * 4), plain(target, x, 20, None))
+    stats = drafter.last_stats
+    assert stats.rounds >= 19 and stats.drafted_tokens == 0 and set(stats.acceptance_lengths) == {0}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rounds_after_unpaying_ones_skip_the_drafter(oracle, fast):
+    """After a round with nothing worth verifying the drafter rests 1, 2, 4, 8 rounds; a paying draft resets it."""
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    oracle.target = target
+    x = torch.tensor([[5, 6, 7, 8]])
+    with count_forwards(drafter) as drafts:
+        assert torch.equal(decode(target, drafter, x, 20, None, fast, [9.0] * 4), plain(target, x, 20, None))
+    rounds = drafter.last_stats.rounds  # one-token rounds; the fast loop's first token comes from the prefill
+    assert rounds >= 19 and drafts["n"] == sum(r <= rounds for r in (1, 3, 6, 11, 20))
+
+
+def test_a_paying_draft_ends_the_drafters_rest():
+    drafter = DRAFTERS[("llama", 4)]
+    gen = D3DCandidateGenerator(drafter)
+    seq = torch.tensor([[5, 6, 7, 8]])
+    drafted = []
+    for costs in [[9.0] * 4] * 3 + [[1.0] * 4] * 3 + [[9.0] * 4] * 3:
+        gen.round_cost = costs
+        with count_forwards(drafter) as n:
+            seq = gen.get_candidates(seq)[0][:, : seq.shape[1] + 1]  # the target commits one token
+        drafted.append(n["n"])
+    # rest 1 round, then 2; the costs fall and the third round after drafts 4 tokens; then rest 1 round again
+    assert drafted == [1, 0, 1, 0, 0, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_sampling_rounds_that_cannot_pay(fast):
+    """Sampling drafts nothing in the fast loop, and one token through transformers' loop (whose speculative sampling
+    needs a draft row)."""
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    drafter.config.round_cost = {"cpu": [9.0] * 4}
+    x = torch.tensor([[5, 6, 7, 8]])
+    try:
+        if fast:
+            out = speculative_generate(target, drafter, x, max_new_tokens=12, do_sample=True, eos_token_id=None)
+        else:
+            out = target.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=True,
+                max_new_tokens=12,
+                eos_token_id=None,
+                assistant_model=drafter,
+            )
+    finally:
+        drafter.config.round_cost = None
+    stats = drafter.last_stats
+    assert out.shape[1] == x.shape[1] + 12
+    assert stats.drafted_tokens == (0 if fast else stats.rounds)
 
 
 def test_costly_rounds_verify_a_one_node_tree(oracle):

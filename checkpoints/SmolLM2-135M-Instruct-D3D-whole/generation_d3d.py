@@ -95,11 +95,16 @@ def choose_hypotheses(
     return [outcome for _, outcome in scored[:budget]]
 
 
+# The longest run of rounds that skip the drafter after rounds whose draft would not pay (see get_candidates).
+MAX_IDLE_ROUNDS = 8
+
+
 def best_length(expected: list[float], round_cost: list[float]) -> int:
     """The one "does it pay" rule of chains and trees: the k with the most expected committed tokens per unit of
     round cost. ``expected[k - 1]``: tokens a round proposing k draft tokens commits in expectation (the target's
-    own token included); ``round_cost[k - 1]``: that round's cost. Ties go to the shorter; 0 only for empty lists."""
-    best_k, best = 0, 0.0
+    own token included); ``round_cost[k - 1]``: that round's cost, in target decode steps. k = 0, no draft, competes
+    too: the target's own token for one decode step. Ties go to the shorter."""
+    best_k, best = 0, 1.0
     for k, (value, cost) in enumerate(zip(expected, round_cost), start=1):
         if value / cost > best:
             best_k, best = k, value / cost
@@ -111,7 +116,8 @@ def draft_length(confidence: list[float], round_cost: list[float]) -> int:
 
     ``confidence[i]`` is the drafter's probability that draft token i + 1 is right; a round proposing k tokens
     commits 1 + sum over i <= k of prod over j <= i of ``confidence[j]`` tokens in expectation (the correction or
-    bonus token always comes). k never exceeds either list.
+    bonus token always comes). k never exceeds either list; it is 0 where no draft beats a plain decode step (on a
+    CPU, verifying even two rows can cost nearly two steps).
     """
     expected, reach, total = [], 1.0, 1.0
     for p in confidence:
@@ -170,8 +176,9 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     Where the drafter's config holds a measured ``round_cost`` for this device and ``target_dtype`` (in the assisted
     loop, which never shows the drafter its target: the generation config's ``d3d_target_dtype``; fp32 if unset), a
-    round proposes only the leading tokens of the block that pay for themselves (:func:`draft_length`); that costs
-    one host read of the draft's confidences per round.
+    round proposes only the leading tokens of the block that pay for themselves (:func:`draft_length`), none when
+    no draft beats a plain decode step (``min_draft`` at least); that costs one host read of the draft's
+    confidences per round.
 
     With ``async_drafting`` it also launches, right after proposing a draft, one packed pass that drafts the next
     block for the likeliest verification outcomes; on CUDA it runs on a side stream while the target verifies.
@@ -192,8 +199,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         num_hypotheses: int | None = None,
         target_dtype: torch.dtype | str | None = None,
         skinny: bool = False,
+        min_draft: int = 0,
     ):
         self.drafter = drafter
+        self.min_draft = min_draft
+        self._idle, self._backoff = 0, 1  # rounds left to skip drafting; how many the next skip lasts
         config = drafter.config
         self.block_size = block_size or config.block_size
         # transformers hands the assistant a plain list of processors; the wrapper makes it callable
@@ -262,23 +272,34 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._observe(input_ids)
         k = self.block_size if max_new_tokens is None else max(0, min(self.block_size, max_new_tokens))
         logits = self._take_hypothesis(input_ids)
+        no_draft = input_ids.new_zeros((1, 0, self.drafter.config.vocab_size), dtype=torch.float)
         if k == 0:
-            return input_ids, input_ids.new_zeros((1, 0, self.drafter.config.vocab_size), dtype=torch.float)
+            return input_ids, no_draft
+        if self._idle and logits is None:
+            self._idle -= 1
+            self._last_draft, self._last_len = input_ids[:, :0], input_ids.shape[1]
+            self.stats.rounds += 1
+            return input_ids, no_draft
         if logits is None or logits.shape[1] == 0:
             logits = self._draft_logits(input_ids)
         logits = logits[:, :k]
         draft, scores = self._choose(input_ids, logits)
-        if self.round_cost is not None and draft.shape[1] > 1:
+        if self.round_cost is not None and draft.shape[1] > self.min_draft:
             # Judged on the drafter's own distributions, never on the drawn tokens: a cut that looked at a sampled
             # token would bias which tokens reach verification, and speculative sampling would no longer be exact.
             confidence = logits[0, : draft.shape[1]].softmax(-1).amax(-1).tolist()
-            keep = draft_length(confidence, self.round_cost)
+            keep = max(draft_length(confidence, self.round_cost), self.min_draft)
             draft, scores = draft[:, :keep], scores[:, :keep]
+            # Hard stretches of text come in runs: after a round that found nothing worth verifying, the next 1, 2,
+            # 4 .. rounds skip the drafter too (its cache catches up when it drafts again); a draft resets the count.
+            self._idle, self._backoff = (
+                (self._backoff, min(2 * self._backoff, MAX_IDLE_ROUNDS)) if keep == 0 else (0, 1)
+            )
         k = draft.shape[1]
         self._last_draft, self._last_len = draft, input_ids.shape[1]
         self.stats.rounds += 1
         self.stats.drafted_tokens += k
-        if self.async_drafting:
+        if self.async_drafting and k:  # without a draft the target's one-row forward leaves nothing to hide behind
             self._launch_packed(input_ids, draft, logits)
         # host time before the target can verify; on CPU the packed pass runs in line and so is included
         self.stats.critical_draft_seconds += time.perf_counter() - start
@@ -463,19 +484,23 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
             do_sample=bool(config.do_sample),
             target_dtype=getattr(config, "d3d_target_dtype", None),
             skinny=getattr(config, "d3d_skinny", False),
+            min_draft=int(config.do_sample),  # transformers' speculative sampling needs a draft row in every round
         )
         drafter.last_stats = generator.stats
         if getattr(config, "d3d_prefill_alone", False) and not config.do_sample:
             # Exact verification (hf_d3d.exact): no draft in the first round, so the target prefills the prompt
-            # alone. transformers stacks the scores, so one unused row stands in for them; greedy never reads it.
+            # alone.
             generator._last_draft, generator._last_len = input_ids[:, :0], input_ids.shape[1]
-            sequences, scores = input_ids, input_ids.new_zeros((1, 1, drafter.config.vocab_size), dtype=torch.float)
-            return _assistant_output(sequences, scores, generator)
+            return _assistant_output(input_ids, input_ids.new_zeros((1, 0, drafter.config.vocab_size)), generator)
     sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
     return _assistant_output(sequences, scores, generator)
 
 
 def _assistant_output(sequences, scores, generator) -> GenerateDecoderOnlyOutput:
+    if scores.shape[1] == 0 and not generator.do_sample:
+        # A round without a draft. transformers stacks the scores, so one unused row stands in for them; greedy
+        # verification never reads it (sampling would, which is why a sampling generator always drafts).
+        scores = scores.new_zeros((1, 1, scores.shape[-1]), dtype=torch.float)
     return GenerateDecoderOnlyOutput(
         sequences=sequences, scores=tuple(scores.unbind(1)), **{GENERATE_OUTPUT_CACHE_FIELD: generator}
     )
