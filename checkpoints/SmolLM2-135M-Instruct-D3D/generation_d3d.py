@@ -272,14 +272,12 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._observe(input_ids)
         k = self.block_size if max_new_tokens is None else max(0, min(self.block_size, max_new_tokens))
         logits = self._take_hypothesis(input_ids)
-        no_draft = input_ids.new_zeros((1, 0, self.drafter.config.vocab_size), dtype=torch.float)
-        if k == 0:
-            return input_ids, no_draft
-        if self._idle and logits is None:
-            self._idle -= 1
-            self._last_draft, self._last_len = input_ids[:, :0], input_ids.shape[1]
-            self.stats.rounds += 1
-            return input_ids, no_draft
+        if k == 0 or (self._idle and logits is None):
+            if k:  # resting after a round whose draft would not pay: a round of the target's own token alone
+                self._idle -= 1
+                self._last_draft, self._last_len = input_ids[:, :0], input_ids.shape[1]
+                self.stats.rounds += 1
+            return input_ids, input_ids.new_zeros((1, 0, self.drafter.config.vocab_size), dtype=torch.float)
         if logits is None or logits.shape[1] == 0:
             logits = self._draft_logits(input_ids)
         logits = logits[:, :k]
