@@ -76,8 +76,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
     from hf_d3d.prompts import load_prompts
     from hf_d3d.targets import load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
-    from hf_d3d.train.trainer import TrainConfig, epochs_to_steps, train
+    from hf_d3d.train.trainer import TrainConfig, epochs_to_steps, train, widen_block_adapters
 
+    if args.widen_block_adapters is not None and not args.init_from:
+        raise ValueError("--widen-block-adapters widens the adapters of an --init-from drafter")
     records = load_records(*args.data)
     # The settings are checked (TrainConfig) before the models load, so a bad one fails in seconds.
     # Under `accelerate launch`, each process takes its own batches. PartialState is the one state that the trainer's
@@ -111,6 +113,9 @@ def _cmd_train(args: argparse.Namespace) -> None:
     resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
     if args.init_from:
         drafter = load_drafter(args.init_from, dtype="float32")
+        if args.widen_block_adapters is not None:
+            added = widen_block_adapters(drafter, args.widen_block_adapters)
+            print(f"block adapters added to {len(added)} layers: {added}")
     elif args.whole_lm:
         adapters = (args.block_adapter_rank, args.block_adapter_top)
         drafter = _whole_lm_drafter(args.whole_lm, args.target, target, tokenizer, args.block_size, *adapters)
@@ -576,6 +581,14 @@ def build_parser() -> argparse.ArgumentParser:
         "computation, and so its next-token predictions, stay exact)",
     )
     p.add_argument("--block-adapter-top", type=int, default=0, help="adapters in the top N layers only (0: all)")
+    p.add_argument(
+        "--widen-block-adapters",
+        type=int,
+        default=None,
+        metavar="TOP",
+        help="with --init-from: give the top TOP layers (0: all) zero-initialised block adapters where they have "
+        "none, so training continues with more of them",
+    )
     p.add_argument(
         "--freeze-layers",
         type=int,

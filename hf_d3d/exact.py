@@ -1,26 +1,32 @@
 """Bit-exact verification: every verified row gets exactly the bits that a plain decode step would give it.
 
-A verify forward over k + 1 new tokens is mathematically k + 1 decode steps, but not bitwise. In bf16 on CPU,
-attention over several query rows runs other kernels than attention for one and differs by an ulp; at a near-tie
-the target's argmax then flips and the output drifts from plain ``generate`` (7 of 8 GSM8K answers of
-SmolLM2-135M-Instruct, ``hf-d3d bench --dtype bfloat16 --num-prompts 8 --methods d3d_fast``). The linears,
-norms, rotary and LM head give a row the same bits for any row count up to 32 on this project's CPU (oneDNN), but
-not at prefill sizes. Two things therefore make verification exact there:
+A verify forward over k + 1 new tokens is mathematically k + 1 decode steps, but not bitwise. In bf16 the kernels
+for several rows sum in another order than those for one row (attention, and the linears: on CPU a one-row bf16
+linear is a gemv of its own, several rows go to oneDNN), the results differ by an ulp, at a near-tie the target's
+argmax flips and the output drifts from plain ``generate`` (7 of 8 GSM8K answers of SmolLM2-135M-Instruct,
+``hf-d3d bench --dtype bfloat16 --num-prompts 8 --methods d3d_fast``). Three things make verification exact:
 
 - attention computed one query row at a time, as a decode step computes it (one sdpa call per row and layer);
+- every linear of a verify forward computed one row at a time, with the one-row kernel a decode step uses
+  (``batched_linears=True`` keeps them whole: faster, and exact only where the machine's kernels give a row the
+  same bits whatever the row count, which :func:`rows_match_decode` samples but cannot prove);
 - the prompt prefilled alone, as plain ``generate`` prefills it, so the first round drafts nothing.
 
-Whether the small-row kernels are row-invariant is a property of the machine: :func:`rows_match_decode` checks it.
+So exactness costs speed: a bf16 round verifying 8 drafts costs about 6 decode steps of SmolLM2-135M-Instruct on a
+2-core AVX512-BF16 CPU with one-row linears, about 2 with batched ones. It is the mode that proves a bf16 path
+lossless; fp32 targets verify with the ordinary kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -93,7 +99,7 @@ def is_exact(model: PreTrainedModel) -> bool:
 
 
 @contextmanager
-def exact_verification(target: PreTrainedModel) -> Iterator[PreTrainedModel]:
+def exact_verification(target: PreTrainedModel, batched_linears: bool = False) -> Iterator[PreTrainedModel]:
     """Within the block, greedy D3D decoding with ``target`` reproduces plain greedy ``generate`` bit for bit.
 
     Covers ``target.generate`` with ``assistant_model=`` (a D3D drafter, or any assistant transformers drafts with
@@ -101,6 +107,8 @@ def exact_verification(target: PreTrainedModel) -> Iterator[PreTrainedModel]:
     batch size 1 without padding and a dynamic cache. Single rows and prefills are computed exactly as before, so
     plain decoding is unchanged; but any other multi-row forward after a cache (a chunked prefill, a reused chat
     cache) is computed row by row too, which is slower and, in bf16, not bitwise what it was.
+    ``batched_linears=True`` computes the linears of a verify forward over all its rows at once: faster, and exact
+    only where :func:`rows_match_decode` holds for every input, which a check can sample but not prove.
     """
     impl = getattr(target.config, "_attn_implementation", None)
     if impl == EXACT_ATTENTION:
@@ -126,6 +134,8 @@ def exact_verification(target: PreTrainedModel) -> Iterator[PreTrainedModel]:
         stack.enter_context(_attribute(target.generation_config, "d3d_prefill_alone", True))
         stack.enter_context(_attribute(target.generation_config, "d3d_target_dtype", str(target.dtype)))
         stack.enter_context(_attribute(target, "generate", generate_exact))
+        if not batched_linears:
+            stack.enter_context(_one_row_linears(target))
         target.set_attn_implementation(EXACT_ATTENTION)
         try:
             if not is_exact(target):  # transformers only warns when a model refuses the switch
@@ -133,6 +143,59 @@ def exact_verification(target: PreTrainedModel) -> Iterator[PreTrainedModel]:
             yield target
         finally:
             target.set_attn_implementation(impl)
+
+
+class _Verifying:
+    """Whether the target's forward now running is a verify forward: several rows after a cached prefix."""
+
+    rows = False
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self.rows = bool(
+            tokens is not None and tokens.shape[1] > 1 and cache is not None and cache.get_seq_length() > 0
+        )
+
+    def after(self, *_) -> None:
+        self.rows = False
+
+
+def _row_by_row(forward, verifying: _Verifying, x: torch.Tensor) -> torch.Tensor:
+    if not verifying.rows or x.dim() < 2 or x.shape[-2] == 1:
+        return forward(x)
+    return torch.cat([forward(x[..., i : i + 1, :]) for i in range(x.shape[-2])], dim=-2)
+
+
+@contextmanager
+def _one_row_linears(target: PreTrainedModel) -> Iterator[None]:
+    """Within the block, every linear of ``target`` (quantized subclasses and hooked forwards included) computes a
+    verify forward one row at a time: the kernel a decode step runs, whose bits for a row depend on nothing else."""
+    verifying = _Verifying()
+    hooks = [
+        target.register_forward_pre_hook(verifying.before, with_kwargs=True),
+        target.register_forward_hook(verifying.after, always_call=True),
+    ]
+    patched = []
+    try:
+        for module in target.modules():
+            if isinstance(module, nn.Linear):
+                own = module.__dict__.get("forward")
+                ours = functools.partial(_row_by_row, module.forward, verifying)
+                module.forward = ours
+                patched.append((module, own, ours))
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, own, ours in patched:
+            if module.__dict__.get("forward") is ours:  # never drop a forward someone else installed meanwhile
+                if own is None:
+                    del module.forward
+                else:
+                    module.forward = own
 
 
 @contextmanager
@@ -179,15 +242,20 @@ def _first_round_empty_factory(factory):
 
 @torch.no_grad()
 def rows_match_decode(
-    target: PreTrainedModel, rows: tuple[int, ...] = (2, 5, 9, 11), context_length: int = 64, seed: int = 0
+    target: PreTrainedModel,
+    rows: tuple[int, ...] = (2, 5, 9, 11),
+    context_length: int = 64,
+    seed: int = 0,
+    batched_linears: bool = False,
 ) -> bool:
     """Whether, on this machine and dtype, a verify forward over each of ``rows`` tokens gives every row's logits
     exactly the bits of single decode steps under :func:`exact_verification` (random tokens after a random context;
-    9 rows is a block of 8 plus the bonus, 11 prompt lookup's 10 plus one)."""
+    9 rows is a block of 8 plus the bonus, 11 prompt lookup's 10 plus one). A sample: ``True`` with
+    ``batched_linears=True`` does not mean that every input keeps its bits (some rows of some inputs may not)."""
     g = torch.Generator().manual_seed(seed)
     most = max(rows)
     ids = torch.randint(0, target.config.vocab_size, (1, context_length + most), generator=g).to(target.device)
-    with exact_verification(target):
+    with exact_verification(target, batched_linears=batched_linears):
         cache = DynamicCache(config=target.config)
         kw = {cache_kwarg(target): cache}
         target(ids[:, :context_length], **kw)

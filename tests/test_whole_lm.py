@@ -204,3 +204,28 @@ def test_pruning_keeps_the_adapters_of_the_kept_layers():
     pruned = drop_layers(drafter, [1])
     assert pruned.config.block_adapter_layers == [0, 1]
     assert pruned.model.layers[1].self_attn.block_adapters is not None
+
+
+def test_widening_block_adapters_changes_nothing_until_trained(tmp_path):
+    from hf_d3d.train.trainer import TrainConfig, train, widen_block_adapters
+
+    drafter = _with_adapters("llama", layers=[2])
+    for p in (p for n, p in drafter.named_parameters() if "block_adapters" in n):
+        p.data.normal_(std=0.5)  # a trained top layer
+    x = torch.tensor([[5, 9, 17, 33, 40, 41, 50]])
+    ids, layout = pack_blocks(x, 0, [3, 6], 4, 0)
+    with torch.no_grad():
+        before = drafter(ids, layout=layout, use_cache=False).logits
+        assert widen_block_adapters(drafter, top=2) == [1]
+        assert drafter.config.block_adapter_layers == [1, 2] and drafter.model.layers[0].mlp.block_adapters is None
+        torch.testing.assert_close(drafter(ids, layout=layout, use_cache=False).logits, before, rtol=0, atol=0)
+        assert widen_block_adapters(drafter) == [0] and drafter.config.block_adapter_layers is None
+        assert widen_block_adapters(drafter) == []
+        torch.testing.assert_close(drafter(ids, layout=layout, use_cache=False).logits, before, rtol=0, atol=0)
+    records = [{"prompt_ids": [5, 6, 7 + i], "response_ids": [8 + i, 9, 10, 11, 12, 13, EOS]} for i in range(8)]
+    cfg = TrainConfig(max_steps=2, batch_size=4, lr=1e-2, warmup_steps=1, eval_every=100, adapters_only=True)
+    trained = D3DDrafterModel.from_pretrained(train(drafter, records, tmp_path / "run", cfg))
+    assert trained.config.block_adapter_layers is None
+    assert trained.model.layers[0].self_attn.block_adapters["q_proj"].up.abs().sum() > 0  # trained, not zero
+    with pytest.raises(ValueError, match="no block adapters"):
+        widen_block_adapters(WHOLE["llama"])

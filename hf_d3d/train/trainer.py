@@ -22,11 +22,41 @@ from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from hf_d3d.atomic import atomic_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
-from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+from hf_d3d.modeling.modeling_d3d import D3DBlockAdapter, D3DDrafterModel
 from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
 
 CHECKPOINT = "checkpoint"
 FINAL = "final"
+
+
+# The projections each part of a drafter layer adapts (D3DAttention, D3DMLP), as the modeling file builds them.
+_ADAPTED = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def widen_block_adapters(drafter: D3DDrafterModel, top: int = 0) -> list[int]:
+    """Give the top ``top`` layers of ``drafter`` (all if 0) block adapters where they have none, of the drafter's
+    rank; returns the layers that gained them. New adapters start at zero, so the drafter drafts exactly as before
+    until training moves them, and ``config.block_adapter_layers`` records them, so the result saves and loads."""
+    config = drafter.config
+    if not config.block_adapter_rank:
+        raise ValueError("the drafter has no block adapters to widen (block_adapter_rank is 0)")
+    n = config.num_hidden_layers
+    if not 0 <= top <= n:
+        raise ValueError(f"top must lie in [0, {n}], got {top}")
+    have = set(range(n) if config.block_adapter_layers is None else config.block_adapter_layers)
+    added = sorted(set(range(n - top if top else 0, n)) - have)
+    for idx in added:
+        layer = drafter.model.layers[idx]
+        for part_name, names in _ADAPTED.items():
+            part = getattr(layer, part_name)
+            weight = getattr(part, names[0]).weight
+            adapters = {
+                k: D3DBlockAdapter(*reversed(getattr(part, k).weight.shape), config.block_adapter_rank) for k in names
+            }
+            part.block_adapters = torch.nn.ModuleDict(adapters).to(device=weight.device, dtype=weight.dtype)
+    everything = have | set(added)
+    config.block_adapter_layers = None if everything == set(range(n)) else sorted(everything)
+    return added
 
 
 @dataclass
