@@ -29,29 +29,27 @@ CHECKPOINT = "checkpoint"
 FINAL = "final"
 
 
-# The projections each part of a drafter layer adapts (D3DAttention, D3DMLP), as the modeling file builds them.
-_ADAPTED = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-
-
 def widen_block_adapters(drafter: D3DDrafterModel, top: int = 0) -> list[int]:
-    """Give the top ``top`` layers of ``drafter`` (all if 0) block adapters where they have none, of the drafter's
-    rank; returns the layers that gained them. New adapters start at zero, so the drafter drafts exactly as before
-    until training moves them, and ``config.block_adapter_layers`` records them, so the result saves and loads."""
+    """Give the top ``top`` layers of ``drafter`` (all if 0) block adapters where they have none, like those it has;
+    returns the layers that gained them. New adapters start at zero, so the drafter drafts exactly as before until
+    training moves them, and ``config.block_adapter_layers`` records them, so the result saves and loads."""
     config = drafter.config
-    if not config.block_adapter_rank:
-        raise ValueError("the drafter has no block adapters to widen (block_adapter_rank is 0)")
     n = config.num_hidden_layers
+    have = set(range(n) if config.block_adapter_layers is None else config.block_adapter_layers)
+    if not config.block_adapter_rank or not have:
+        raise ValueError("the drafter has no block adapters to widen")
     if not 0 <= top <= n:
         raise ValueError(f"top must lie in [0, {n}], got {top}")
-    have = set(range(n) if config.block_adapter_layers is None else config.block_adapter_layers)
+    adapted = drafter.model.layers[min(have)]  # which projections of each part are adapted: as the drafter has them
+    parts = {name: list(getattr(adapted, name).block_adapters) for name in ("self_attn", "mlp")}
     added = sorted(set(range(n - top if top else 0, n)) - have)
     for idx in added:
-        layer = drafter.model.layers[idx]
-        for part_name, names in _ADAPTED.items():
-            part = getattr(layer, part_name)
-            weight = getattr(part, names[0]).weight
+        for name, projections in parts.items():
+            part = getattr(drafter.model.layers[idx], name)
+            weight = getattr(part, projections[0]).weight
             adapters = {
-                k: D3DBlockAdapter(*reversed(getattr(part, k).weight.shape), config.block_adapter_rank) for k in names
+                k: D3DBlockAdapter(*reversed(getattr(part, k).weight.shape), config.block_adapter_rank)
+                for k in projections
             }
             part.block_adapters = torch.nn.ModuleDict(adapters).to(device=weight.device, dtype=weight.dtype)
     everything = have | set(added)
