@@ -14,7 +14,14 @@ from hf_d3d.atomic import atomic_folder
 TEMPLATE = Path(__file__).resolve().parents[1] / "hub_cards" / "d3d_drafter.md"
 MODELING = Path(__file__).resolve().parent / "modeling"
 METRICS = "d3d_metrics.json"
-REMOTE_CODE = ("configuration_d3d.py", "modeling_d3d.py", "attention_d3d.py", "generation_d3d.py", "compat_d3d.py")
+REMOTE_CODE = (
+    "configuration_d3d.py",
+    "modeling_d3d.py",
+    "attention_d3d.py",
+    "generation_d3d.py",
+    "compat_d3d.py",
+    "skinny_d3d.py",
+)
 REQUIRED = ("config.json", "model.safetensors", "generation_config.json", *REMOTE_CODE)
 OPTIONAL = ("prune_report.json", "training_log.json", METRICS)
 

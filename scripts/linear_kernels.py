@@ -4,7 +4,7 @@ Usage: python scripts/linear_kernels.py [--rows 1,5,9,13,17] [--repeats 11] [--c
 
 The target's cache holds ``--context`` tokens; each timed forward (after an untimed one of the same shape) appends
 ``rows`` tokens and is cropped off again. Kernels, alternated in every repeat: ``F.linear`` (as plain ``generate``
-runs, one row included), ``(W @ x.T).T`` and oneDNN over packed weights (``hf_d3d.cpu.skinny``; here applied to one
+runs, one row included), ``(W @ x.T).T`` and oneDNN over packed weights (``skinny_d3d``; here applied to one
 row too, to show what the kernel alone does to a decode step). Prints medians in ms.
 """
 
@@ -16,7 +16,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-import hf_d3d.cpu.skinny as skinny_mod
+import hf_d3d.modeling.skinny_d3d as skinny_mod
 from hf_d3d.modeling.generation_d3d import cache_kwarg
 from hf_d3d.targets import load_target
 

@@ -6,7 +6,7 @@ then any of ``+static`` (a preallocated target cache), ``+fixed`` (K tokens ever
 round cost), ``+fp32`` (the drafter in fp32 instead of its stored dtype), ``+chain`` (one chain per round instead
 of a draft tree), ``+fp16w`` (the drafter's linear weights kept in fp16, ``hf_d3d.fp16_weights``) and
 ``+noskinny`` (the target's and drafter's few-row linears as ``F.linear`` computes them, and the round costs
-calibrated that way; see ``hf_d3d.cpu.skinny``), ``+transpose`` (few-row linears as ``(W @ x.T).T``, the kernel for
+calibrated that way; see ``skinny_d3d``), ``+transpose`` (few-row linears as ``(W @ x.T).T``, the kernel for
 builds without oneDNN): ``PATH@4+fixed+fp32``. The SPEC ``plain+onednn`` is plain greedy with every fp32 linear of one
 to 16 rows (decode steps included) computed by oneDNN over packed weights: what that kernel alone does to plain
 decoding, the reference for how much of a speedup is the kernel's rather than speculation's. GSM8K test prompts,
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-import hf_d3d.cpu.skinny as skinny_mod
+import hf_d3d.modeling.skinny_d3d as skinny_mod
 from hf_d3d import speculative_generate
 from hf_d3d.bench import markdown_table, run_methods, write_outputs
 from hf_d3d.cpu.fp16_weights import fp16_weights

@@ -208,11 +208,13 @@ def test_costs_measured_with_few_row_linears_go_with_them(oracle):
         assert D3DCandidateGenerator(drafter, skinny=True).round_cost == [1.0] * 4
         x = torch.tensor([[5, 6, 7]])
         kw = dict(assistant_model=drafter, do_sample=False, max_new_tokens=20, eos_token_id=None)
+        # the bare assisted loop: the drafter gives the fp32 target's verify forwards few-row linears itself, so the
+        # few-row costs apply (long drafts); so they do where the caller's skinny_linears marks the generation config
         target.generate(x, **kw)
-        assert drafter.last_stats.drafted_tokens == drafter.last_stats.rounds  # 50x a round of 2: drafts of 1
-        with skinny_linears(target, drafter):  # marks the target's generation config, which the assistant gets
+        assert drafter.last_stats.drafted_tokens > 2 * drafter.last_stats.rounds
+        with skinny_linears(target, drafter):
             target.generate(x, **kw)
-        assert drafter.last_stats.drafted_tokens > 2 * drafter.last_stats.rounds  # the few-row costs: long drafts
+        assert drafter.last_stats.drafted_tokens > 2 * drafter.last_stats.rounds
         assert not hasattr(target.generation_config, "d3d_skinny")
         drafted = {}
         for skinny in (None, False):  # None: on, as for any fp32 CPU target

@@ -14,7 +14,14 @@ from transformers import AutoModel, AutoModelForCausalLM
 from conftest import make_drafter, tiny_target
 from hf_d3d import D3DDrafterModel
 
-REMOTE_FILES = {"configuration_d3d.py", "modeling_d3d.py", "attention_d3d.py", "generation_d3d.py", "compat_d3d.py"}
+REMOTE_FILES = {
+    "configuration_d3d.py",
+    "modeling_d3d.py",
+    "attention_d3d.py",
+    "generation_d3d.py",
+    "compat_d3d.py",
+    "skinny_d3d.py",
+}
 
 
 @pytest.fixture
@@ -52,12 +59,15 @@ def test_remote_code_imports_only_torch_and_transformers(saved):
                 "transformers",
                 "__future__",
                 "collections",
+                "contextlib",
                 "dataclasses",
                 "functools",
                 "inspect",
+                "sys",
                 "time",
                 "warnings",
                 "json",
+                "weakref",
             }
             assert roots <= allowed, (name, roots)
 

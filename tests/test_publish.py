@@ -21,6 +21,7 @@ EXPECTED = {
     "attention_d3d.py",
     "generation_d3d.py",
     "compat_d3d.py",
+    "skinny_d3d.py",
     METRICS,
 }
 

@@ -1,5 +1,5 @@
-"""Few-row linears (`hf_d3d.cpu.skinny`: oneDNN over packed weights, or weight @ input.T): same values, scoped, and only
-where it applies."""
+"""Few-row linears (`hf_d3d.modeling.skinny_d3d`: oneDNN over packed weights, or weight @ input.T): same values,
+scoped, and only where it applies."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig
 
-import hf_d3d.cpu.skinny as skinny_mod
+import hf_d3d.modeling.skinny_d3d as skinny_mod
 from conftest import make_drafter, tiny_target
 from hf_d3d import exact_verification, speculative_generate
 from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
@@ -231,3 +231,61 @@ def test_a_torch_whose_onednn_ops_changed_falls_back(monkeypatch):
     assert not skinny_mod._onednn_available()
     monkeypatch.setattr(skinny_mod.torch.ops.mkldnn, "_linear_pointwise", lambda x, w, b, *a: torch.zeros(2, 3))
     assert not skinny_mod._onednn_available()  # runs but computes something else
+
+
+def _patched(model: nn.Module) -> bool:
+    """Whether any of ``model``'s linears computes as skinny_linears makes it (other patches, e.g. exact's, aside)."""
+    return any(getattr(m.__dict__.get("forward"), "func", None) is skinny_mod._skinny_forward for m in model.modules())
+
+
+def _spy_forwards(target: nn.Module) -> list[tuple[int, bool]]:
+    """(rows, whether the target's linears were few-row ones) for every target forward after the first."""
+    seen: list[tuple[int, bool]] = []
+    target.register_forward_hook(lambda m, args, kwargs, out: seen.append((kwargs["input_ids"].shape[1], _patched(m))),
+                                 with_kwargs=True)  # fmt: skip
+    return seen
+
+
+def test_assisted_generate_gives_only_the_verify_forwards_few_row_linears(kernel):
+    """The plain path: the drafter's generator computes each verify forward of the target with few-row linears,
+    one forward at a time, and leaves nothing behind; output identical to plain greedy."""
+    target = tiny_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24, eos_token_id=None)
+    ref = target.generate(x, **kw)
+    seen = _spy_forwards(target)
+    out = target.generate(x, assistant_model=drafter, **kw)
+    assert torch.equal(out, ref)
+    verifies = [patched for rows, patched in seen[1:] if 2 <= rows <= skinny_mod.SKINNY_ROWS]
+    assert verifies and all(verifies)  # every verify forward after the prefill
+    assert not seen[0][1]  # the prefill is not one
+    assert not _patched(target) and not _patched(drafter)
+    assert not target._forward_pre_hooks and len(target._forward_hooks) == 1  # the spy's alone
+    assert not hasattr(target.generation_config, "d3d_skinny")
+    target._forward_hooks.clear()
+    # generate with the caller's skinny_linears: it is theirs, nothing is added; under exact verification, nothing
+    with skinny_linears(target, drafter):
+        assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
+    seen = _spy_forwards(target)
+    with exact_verification(target):
+        assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
+    assert len(seen) > 2 and not any(patched for _, patched in seen)
+
+
+def test_a_verify_forward_that_raises_leaves_no_few_row_linears_behind():
+    target = tiny_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    calls = []
+
+    def fail_in_a_verify_forward(module, args):
+        calls.append(_patched(target))
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+
+    target.model.layers[1].register_forward_pre_hook(fail_in_a_verify_forward)
+    with pytest.raises(RuntimeError, match="boom"):
+        target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, max_new_tokens=24)
+    assert calls[-1]  # it failed inside few-row linears
+    assert not _patched(target) and not target._forward_pre_hooks and not target._forward_hooks

@@ -1,4 +1,5 @@
-"""Every transformers-version difference the D3D files meet, in one place.
+"""Every transformers-version difference the D3D files meet, in one place; and :func:`assisting_target`, since the
+assisted loop hands its candidate generator the assistant only, never the target.
 
 transformers 5.24 renamed the KV cache from ``past_key_values`` to ``cache``: the keyword of a model's ``forward``
 (which still accepts the old name, with a deprecation warning), the field of model and generate outputs, and the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -40,3 +42,15 @@ def passed_cache(cache, past_key_values):
     if cache is not None and past_key_values is not None:
         raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
     return cache if cache is not None else past_key_values
+
+
+def assisting_target() -> torch.nn.Module | None:
+    """The model whose assisted loop (``generate(assistant_model=...)``) this call runs inside, or ``None``: the
+    ``self`` of transformers' ``_assisted_decoding`` frame, the one place the loop keeps its target."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_assisted_decoding":
+            model = frame.f_locals.get("self")
+            return model if isinstance(model, torch.nn.Module) else None
+        frame = frame.f_back
+    return None

@@ -8,6 +8,7 @@ drafter state (its KV cache over committed tokens, its statistics) lives exactly
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -17,7 +18,8 @@ from transformers.generation import CandidateGenerator, LogitsProcessorList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention_d3d import pack_blocks
-from .compat_d3d import GENERATE_OUTPUT_CACHE_FIELD, cache_kwarg, passed_cache
+from .compat_d3d import GENERATE_OUTPUT_CACHE_FIELD, assisting_target, cache_kwarg, passed_cache
+from .skinny_d3d import has_skinny_linears, skinny_linears, skinny_next_forward
 
 
 @dataclass
@@ -200,8 +202,14 @@ class D3DCandidateGenerator(CandidateGenerator):
         target_dtype: torch.dtype | str | None = None,
         skinny: bool = False,
         min_draft: int = 0,
+        verify_target: torch.nn.Module | None = None,
     ):
         self.drafter = drafter
+        # The target whose verify forward follows each draft (transformers' assisted loop): computed with few-row
+        # linears, one forward at a time, so that nothing outlives the round (skinny_next_forward).
+        self.verify_target = verify_target
+        skinny = skinny or verify_target is not None
+        self._skinny_drafter = skinny and has_skinny_linears(drafter)
         self.min_draft = min_draft
         self._idle, self._backoff = 0, 1  # rounds left to skip drafting; how many the next skip lasts
         config = drafter.config
@@ -349,7 +357,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         """Drafter forward over ``ids`` (context enters the cache); logits over the draft vocabulary at ``keep``."""
         draft_only = {"draft_logits": True} if self._vocab is not None else {}
         cache = {self._cache_kw: self.cache}
-        return self.drafter(ids, layout=layout, logits_to_keep=keep, **cache, **draft_only).logits
+        with skinny_linears(self.drafter) if self._skinny_drafter else contextlib.nullcontext():
+            return self.drafter(ids, layout=layout, logits_to_keep=keep, **cache, **draft_only).logits
 
     # -- asynchronous packed drafting ------------------------------------------------------------------------------
     def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:
@@ -475,14 +484,22 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     # hf_d3d.skinny_linears set them for their block.
     config = kwargs["generation_config"]
     generator = passed_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
-    if not isinstance(generator, D3DCandidateGenerator):
+    first = not isinstance(generator, D3DCandidateGenerator)
+    if first:
+        target = assisting_target()
+        exact = getattr(config, "d3d_prefill_alone", False)
+        skinny = getattr(config, "d3d_skinny", False)
+        # Verifying a few rows costs nearly a decode step per row with fp32 CPU GEMMs; the drafter gives the target's
+        # verify forwards few-row linears itself, unless the caller already did or verification must be exact.
+        few_rows = target is not None and not skinny and not exact and has_skinny_linears(target)
         generator = D3DCandidateGenerator(
             drafter,
             kwargs.get("logits_processor"),
             do_sample=bool(config.do_sample),
-            target_dtype=getattr(config, "d3d_target_dtype", None),
-            skinny=getattr(config, "d3d_skinny", False),
+            target_dtype=getattr(config, "d3d_target_dtype", None) or getattr(target, "dtype", None),
+            skinny=skinny,
             min_draft=int(config.do_sample),  # transformers' speculative sampling needs a draft row in every round
+            verify_target=target if few_rows else None,
         )
         drafter.last_stats = generator.stats
         if getattr(config, "d3d_prefill_alone", False) and not config.do_sample:
@@ -491,6 +508,9 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
             generator._last_draft, generator._last_len = input_ids[:, :0], input_ids.shape[1]
             return _assistant_output(input_ids, input_ids.new_zeros((1, 0, drafter.config.vocab_size)), generator)
     sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
+    if generator.verify_target is not None and not first and sequences.shape[1] > input_ids.shape[1]:
+        # the target's next forward verifies this draft (the first round's is its prefill; without a draft, one row)
+        skinny_next_forward(generator.verify_target)
     return _assistant_output(sequences, scores, generator)
 
 
