@@ -18,13 +18,22 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
+from hf_d3d.cpu.skinny import no_skinny_linears, skinny_by_default, skinny_linears
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.exact import exact_verification
 from hf_d3d.speculative import speculative_generate
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
-ALL_METHODS = ("plain", "assisted_ar", "prompt_lookup", "d3d_hub", "d3d_sync", "d3d_async", "d3d_fast")
+ALL_METHODS = (
+    "plain",
+    "assisted_ar",
+    "prompt_lookup",
+    "d3d_hub",
+    "d3d_sync",
+    "d3d_async",
+    "d3d_fast",
+    "d3d_fast_chain",
+)
 # d3d_hub: the path a Hub user takes, the drafter as `from_pretrained(..., trust_remote_code=True)` loads it and
 # `target.generate(assistant_model=drafter)` with no library call; the other d3d methods get the library's settings
 AS_USERS_RUN_IT = ("plain", "d3d_hub")
@@ -38,7 +47,11 @@ def _runner(
     def gen(x, **kw):
         # every speculative peer gets the fast loop's few-row linears; plain generate runs as users run it
         models = [target] + ([kw["assistant_model"]] if "assistant_model" in kw else [])
-        with skinny_linears(*models) if skinny and method not in AS_USERS_RUN_IT else contextlib.nullcontext():
+        if method in AS_USERS_RUN_IT:
+            block = contextlib.nullcontext()
+        else:  # without: also no D3D drafter may give the target's verify forwards few-row linears itself
+            block = skinny_linears(*models) if skinny else no_skinny_linears(target)
+        with block:
             return target.generate(x, attention_mask=torch.ones_like(x), **common, **kw)
 
     if method == "plain":
@@ -59,8 +72,9 @@ def _runner(
                 drafter.config.async_drafting = None
 
         return run
-    if method == "d3d_fast":
-        return lambda x: speculative_generate(target, drafter, x, max_new_tokens=max_new, skinny=skinny)
+    if method in ("d3d_fast", "d3d_fast_chain"):  # the chain: what the fast loop's trees add, and what its loop does
+        tree = None if method == "d3d_fast" else False
+        return lambda x: speculative_generate(target, drafter, x, max_new_tokens=max_new, skinny=skinny, tree=tree)
     raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
 
 

@@ -679,7 +679,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--field", default="question")
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default="plain,prompt_lookup,d3d_sync,d3d_async,d3d_fast")
+    p.add_argument(
+        "--methods",
+        default="plain,prompt_lookup,d3d_sync,d3d_async,d3d_fast",
+        help="comma-separated, from plain, assisted_ar, prompt_lookup, d3d_hub (the Hub user's path), d3d_sync, "
+        "d3d_async, d3d_fast (the fast loop, draft trees when greedy), d3d_fast_chain (the fast loop, chains only)",
+    )
     p.add_argument("--out", required=True, help="RESULT.json (a .md table and a .png plot are written beside it)")
     p.add_argument(
         "--write-metrics", action="store_true", help="record d3d_sync's speedup in DRAFTER/d3d_metrics.json (card)"

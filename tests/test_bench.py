@@ -17,7 +17,7 @@ def test_bench_schema_and_outputs(tmp_path):
     target = tiny_target("llama")
     drafter = make_drafter(target, block_size=4)
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
-    methods = ["plain", "prompt_lookup", "d3d_sync", "d3d_async", "d3d_fast"]
+    methods = ["plain", "prompt_lookup", "d3d_sync", "d3d_async", "d3d_fast", "d3d_fast_chain"]
     result = bench.run_bench(target, drafter, prompts, methods, max_new_tokens=12)
     assert set(result["methods"]) == set(methods)
     for m, v in result["methods"].items():
@@ -84,7 +84,12 @@ def test_bench_gives_every_method_but_plain_and_the_hub_path_the_skinny_linears(
     assert ("d3d_hub", "drafter") not in {(m, who) for m, who, _ in seen}  # the Hub path drafts with its own copy
     assert result["methods"]["d3d_hub"]["acceptance_histogram"]  # its rounds, read from its own stats
     for method, who, patched in seen:  # plain and the Hub path as users run them; every other peer patched
-        assert patched == (method not in ("plain", "d3d_hub")), (method, who)
+        if method != "d3d_hub":
+            assert patched == (method != "plain"), (method, who)
+    # the bench leaves the Hub path alone: its drafter gives its own drafts and the target's verifies few-row linears
+    hub_target = [patched for method, who, patched in seen if (method, who) == ("d3d_hub", "target")]
+    assert all(patched for method, who, patched in seen if (method, who) == ("d3d_hub", "hub"))
+    assert not hub_target[0] and any(hub_target)  # not the prefill; verify forwards
     with pytest.raises(ValueError, match="d3d_hub needs"):
         bench.run_bench(target, drafter, [[5, 6]], ["d3d_hub"], max_new_tokens=4)
     seen.clear()

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 import hf_d3d.modeling.skinny_d3d as skinny_mod
 from conftest import make_drafter, tiny_target
 from hf_d3d import exact_verification, speculative_generate
-from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
+from hf_d3d.cpu.skinny import no_skinny_linears, skinny_by_default, skinny_linears
 
 
 class _Scaled(nn.Linear):  # a Linear subclass (as quantized linears are): its own forward must stay
@@ -271,6 +271,11 @@ def test_assisted_generate_gives_only_the_verify_forwards_few_row_linears(kernel
     with exact_verification(target):
         assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
     assert len(seen) > 2 and not any(patched for _, patched in seen)
+    seen.clear()
+    with no_skinny_linears(target):  # the reference without them
+        assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
+    assert len(seen) > 2 and not any(patched for _, patched in seen)
+    assert not hasattr(target.generation_config, "d3d_skinny")
 
 
 def test_a_verify_forward_that_raises_leaves_no_few_row_linears_behind():

@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention_d3d import pack_blocks
 from .compat_d3d import GENERATE_OUTPUT_CACHE_FIELD, assisting_target, cache_kwarg, passed_cache
-from .skinny_d3d import has_skinny_linears, skinny_linears, skinny_next_forward
+from .skinny_d3d import few_row_forwards, skinny_linears, skinny_next_forward
 
 
 @dataclass
@@ -208,8 +208,9 @@ class D3DCandidateGenerator(CandidateGenerator):
         # The target whose verify forward follows each draft (transformers' assisted loop): computed with few-row
         # linears, one forward at a time, so that nothing outlives the round (skinny_next_forward).
         self.verify_target = verify_target
-        skinny = skinny or verify_target is not None
-        self._skinny_drafter = skinny and has_skinny_linears(drafter)
+        self._verify_forwards = few_row_forwards(verify_target) if verify_target is not None else []
+        skinny = skinny or bool(self._verify_forwards)
+        self._skinny_drafter = skinny and bool(few_row_forwards(drafter))
         self.min_draft = min_draft
         self._idle, self._backoff = 0, 1  # rounds left to skip drafting; how many the next skip lasts
         config = drafter.config
@@ -479,25 +480,27 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     if mask is not None and not bool(mask.all()):
         raise ValueError("D3D assisted generation does not support padded inputs (attention_mask with zeros)")
     # the target's generation config, as transformers' assisted loop passes it to every assistant; D3D reads three
-    # optional fields from it: ``d3d_target_dtype`` and ``d3d_skinny`` (which calibrated round costs apply) and
-    # ``d3d_prefill_alone`` (exact verification: no draft in the first round). hf_d3d.exact_verification and
-    # hf_d3d.skinny_linears set them for their block.
+    # optional fields from it: ``d3d_target_dtype`` and ``d3d_skinny`` (which calibrated round costs apply; False:
+    # leave the target's linears alone) and ``d3d_prefill_alone`` (exact verification: no draft in the first round).
+    # hf_d3d.exact_verification, hf_d3d.skinny_linears and hf_d3d.cpu.skinny.no_skinny_linears set them for their
+    # block.
     config = kwargs["generation_config"]
     generator = passed_cache(kwargs.get("cache"), kwargs.get("past_key_values"))
     first = not isinstance(generator, D3DCandidateGenerator)
     if first:
         target = assisting_target()
         exact = getattr(config, "d3d_prefill_alone", False)
-        skinny = getattr(config, "d3d_skinny", False)
+        skinny = getattr(config, "d3d_skinny", None)  # True: the caller's skinny_linears block; False: not wanted
         # Verifying a few rows costs nearly a decode step per row with fp32 CPU GEMMs; the drafter gives the target's
-        # verify forwards few-row linears itself, unless the caller already did or verification must be exact.
-        few_rows = target is not None and not skinny and not exact and has_skinny_linears(target)
+        # verify forwards few-row linears itself, unless the caller already did, or said not to, or verification
+        # must be exact.
+        few_rows = target is not None and skinny is None and not exact
         generator = D3DCandidateGenerator(
             drafter,
             kwargs.get("logits_processor"),
             do_sample=bool(config.do_sample),
             target_dtype=getattr(config, "d3d_target_dtype", None) or getattr(target, "dtype", None),
-            skinny=skinny,
+            skinny=bool(skinny),
             min_draft=int(config.do_sample),  # transformers' speculative sampling needs a draft row in every round
             verify_target=target if few_rows else None,
         )
@@ -508,9 +511,9 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
             generator._last_draft, generator._last_len = input_ids[:, :0], input_ids.shape[1]
             return _assistant_output(input_ids, input_ids.new_zeros((1, 0, drafter.config.vocab_size)), generator)
     sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
-    if generator.verify_target is not None and not first and sequences.shape[1] > input_ids.shape[1]:
+    if generator._verify_forwards and not first and sequences.shape[1] > input_ids.shape[1]:
         # the target's next forward verifies this draft (the first round's is its prefill; without a draft, one row)
-        skinny_next_forward(generator.verify_target)
+        skinny_next_forward(generator.verify_target, generator._verify_forwards)
     return _assistant_output(sequences, scores, generator)
 
 

@@ -105,47 +105,55 @@ def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: in
     decoding (``scripts/side_by_side.py plain+onednn``), not something D3D needs."""
     if not 1 <= min_rows <= max_rows or max_rows < 2:
         raise ValueError(f"need 1 <= min_rows <= max_rows, max_rows >= 2; got min_rows={min_rows}, max_rows={max_rows}")
+    with _patched(few_row_forwards(*models, max_rows=max_rows, min_rows=min_rows), models) as n:
+        yield n
+
+
+def few_row_forwards(
+    *models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: int = 2
+) -> list[tuple[nn.Linear, functools.partial]]:
+    """The plain fp32 CPU ``nn.Linear`` modules of ``models``, each with the forward :func:`skinny_linears` gives it."""
+    return [
+        (m, functools.partial(_skinny_forward, m, max_rows=max_rows, min_rows=min_rows))
+        for model in models
+        for m in model.modules()
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    ]
+
+
+@contextmanager
+def _patched(forwards: list[tuple[nn.Linear, functools.partial]], models: tuple[nn.Module, ...]) -> Iterator[int]:
     patched: list[tuple[nn.Linear, functools.partial]] = []
     configs = [getattr(m, "generation_config", None) for m in dict.fromkeys(models)]
     marked = [c for c in configs if c is not None and not getattr(c, "d3d_skinny", False)]
     try:
         for config in marked:
             config.d3d_skinny = True
-        for module in (m for model in models for m in model.modules()):
-            if (
-                type(module) is nn.Linear
-                and "forward" not in module.__dict__
-                and module.weight.device.type == "cpu"
-                and module.weight.dtype == torch.float32
-            ):
-                module.forward = functools.partial(_skinny_forward, module, max_rows=max_rows, min_rows=min_rows)
-                patched.append((module, module.forward))
+        # a plain instance attribute, set in __dict__: nn.Module.__setattr__'s checks would cost more, every round
+        for module, forward in forwards:
+            if "forward" not in module.__dict__:  # a module listed twice, or hooked by accelerate: left as it is
+                module.__dict__["forward"] = forward
+                patched.append((module, forward))
         yield len(patched)
     finally:
         for module, ours in patched:
             if module.__dict__.get("forward") is ours:  # never drop a forward someone else installed meanwhile
-                del module.forward
+                del module.__dict__["forward"]
         for config in marked:
             del config.d3d_skinny
 
 
-def has_skinny_linears(model: nn.Module) -> bool:
-    """Whether :func:`skinny_linears` would change any of ``model``'s linears (plain fp32 ``nn.Linear`` on CPU)."""
-    return any(
-        type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-        for m in model.modules()
-    )
-
-
-def skinny_next_forward(model: nn.Module, max_rows: int = SKINNY_ROWS) -> None:
+def skinny_next_forward(model: nn.Module, forwards: list[tuple[nn.Linear, functools.partial]] | None = None) -> None:
     """Compute ``model``'s next forward in :func:`skinny_linears`, and only that one: hooks enter the block when the
     forward starts and leave it, removing themselves, when it ends, even by an exception. This is how a drafter
     gives the target's verify forward (the next forward after a draft, in transformers' assisted loop) few-row
-    linears with no patch outliving it."""
+    linears with no patch outliving it. ``forwards``: :func:`few_row_forwards` of ``model``, when the caller keeps
+    them from round to round (collecting them costs about as much as the patching itself)."""
+    forwards = few_row_forwards(model) if forwards is None else forwards
     block = contextlib.ExitStack()
 
     def enter(module: nn.Module, args: tuple) -> None:
-        block.enter_context(skinny_linears(module, max_rows=max_rows))
+        block.enter_context(_patched(forwards, (module,)))
 
     def leave(module: nn.Module, args: tuple, output: object) -> None:
         block.close()
