@@ -8,8 +8,8 @@ drafter state (its KV cache over committed tokens, its statistics) lives exactly
 
 from __future__ import annotations
 
-import contextlib
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,7 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention_d3d import pack_blocks
 from .compat_d3d import GENERATE_OUTPUT_CACHE_FIELD, assisting_target, cache_kwarg, passed_cache
-from .skinny_d3d import few_row_forwards, skinny_linears, skinny_next_forward
+from .skinny_d3d import few_row_forwards, patched_forwards, skinny_next_forward
 
 
 @dataclass
@@ -210,7 +210,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.verify_target = verify_target
         self._verify_forwards = few_row_forwards(verify_target) if verify_target is not None else []
         skinny = skinny or bool(self._verify_forwards)
-        self._skinny_drafter = skinny and bool(few_row_forwards(drafter))
+        self._drafter_forwards = few_row_forwards(drafter) if skinny else []  # collected once, entered every draft
         self.min_draft = min_draft
         self._idle, self._backoff = 0, 1  # rounds left to skip drafting; how many the next skip lasts
         config = drafter.config
@@ -358,7 +358,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         """Drafter forward over ``ids`` (context enters the cache); logits over the draft vocabulary at ``keep``."""
         draft_only = {"draft_logits": True} if self._vocab is not None else {}
         cache = {self._cache_kw: self.cache}
-        with skinny_linears(self.drafter) if self._skinny_drafter else contextlib.nullcontext():
+        with patched_forwards(self._drafter_forwards, (self.drafter,)) if self._drafter_forwards else nullcontext():
             return self.drafter(ids, layout=layout, logits_to_keep=keep, **cache, **draft_only).logits
 
     # -- asynchronous packed drafting ------------------------------------------------------------------------------
@@ -505,7 +505,7 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
             verify_target=target if few_rows else None,
         )
         drafter.last_stats = generator.stats
-        if getattr(config, "d3d_prefill_alone", False) and not config.do_sample:
+        if exact and not config.do_sample:
             # Exact verification (hf_d3d.exact): no draft in the first round, so the target prefills the prompt
             # alone.
             generator._last_draft, generator._last_len = input_ids[:, :0], input_ids.shape[1]

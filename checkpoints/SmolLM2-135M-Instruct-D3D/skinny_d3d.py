@@ -105,7 +105,7 @@ def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: in
     decoding (``scripts/side_by_side.py plain+onednn``), not something D3D needs."""
     if not 1 <= min_rows <= max_rows or max_rows < 2:
         raise ValueError(f"need 1 <= min_rows <= max_rows, max_rows >= 2; got min_rows={min_rows}, max_rows={max_rows}")
-    with _patched(few_row_forwards(*models, max_rows=max_rows, min_rows=min_rows), models) as n:
+    with patched_forwards(few_row_forwards(*models, max_rows=max_rows, min_rows=min_rows), models) as n:
         yield n
 
 
@@ -122,7 +122,11 @@ def few_row_forwards(
 
 
 @contextmanager
-def _patched(forwards: list[tuple[nn.Linear, functools.partial]], models: tuple[nn.Module, ...]) -> Iterator[int]:
+def patched_forwards(
+    forwards: list[tuple[nn.Linear, functools.partial]], models: tuple[nn.Module, ...]
+) -> Iterator[int]:
+    """:func:`skinny_linears` over ``forwards`` collected once (:func:`few_row_forwards`), for callers that enter it
+    every round; ``models``' generation configs carry ``d3d_skinny`` meanwhile."""
     patched: list[tuple[nn.Linear, functools.partial]] = []
     configs = [getattr(m, "generation_config", None) for m in dict.fromkeys(models)]
     marked = [c for c in configs if c is not None and not getattr(c, "d3d_skinny", False)]
@@ -153,7 +157,7 @@ def skinny_next_forward(model: nn.Module, forwards: list[tuple[nn.Linear, functo
     block = contextlib.ExitStack()
 
     def enter(module: nn.Module, args: tuple) -> None:
-        block.enter_context(_patched(forwards, (module,)))
+        block.enter_context(patched_forwards(forwards, (module,)))
 
     def leave(module: nn.Module, args: tuple, output: object) -> None:
         block.close()
