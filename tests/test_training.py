@@ -76,6 +76,14 @@ def test_a_run_cut_short_can_be_finished_as_partial(toy, tmp_path):
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["partial"] is True and meta["num_prompts"] == 6 and meta["num_records"] == 2
     assert sorted(r["idx"] for r in load_records(tmp_path)) == [0, 1]
+    with pytest.raises(ValueError, match="other max_new_tokens"):  # a resume with other settings: refused, kept
+        distill(target, ToyTokenizer(), prompts[:6], tmp_path, DistillConfig(max_new_tokens=9, batch_size=2))
+    assert json.loads((tmp_path / "meta.json").read_text())["partial"] is True
+    distill(target, ToyTokenizer(), prompts[:6], tmp_path, cfg)  # called again without finish_partial: it goes on
+    assert (tmp_path / "records.jsonl").read_text().startswith(kept)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["partial"] is False and meta["num_records"] == 6
+    assert sorted(r["idx"] for r in load_records(tmp_path)) == list(range(6))
     full = tmp_path / "full"
     distill(target, ToyTokenizer(), prompts[:2], full, cfg)
     assert json.loads((full / "meta.json").read_text())["partial"] is False

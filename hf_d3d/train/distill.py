@@ -3,7 +3,7 @@
 Output folder layout: ``records.jsonl`` (one ``{"idx", "prompt_ids", "response_ids"}`` per line, appended and
 flushed batch by batch, so an interrupted run resumes where it stopped) and ``meta.json``, written atomically only
 when every prompt is done, or when asked to finish a run early (``finish_partial``; the meta then says
-``"partial": true``). A folder without ``meta.json`` is an unfinished run, never mistaken for a dataset.
+``"partial": true``, and calling again without it goes on from there). A folder without ``meta.json`` is an unfinished run, never mistaken for a dataset.
 Generation runs through ``target.generate`` (batched) or, for large targets on GPUs, vLLM's offline engine.
 """
 
@@ -246,7 +246,9 @@ def distill(
     if backend not in ("transformers", "vllm"):
         raise ValueError(f"unknown backend {backend!r}; choose transformers or vllm")
     out = Path(out_dir)
-    if (out / META).exists():
+    # A run finished early (``finish_partial``) goes on when called again without it; any other finished run is done.
+    resume_partial = (out / META).exists() and not finish_partial and json.loads((out / META).read_text()).get("partial")
+    if (out / META).exists() and not resume_partial:
         return out
     if finish_partial and not (out / RECORDS).is_file():
         raise FileNotFoundError(f"{out} holds no started distillation run: nothing to finish")
@@ -292,6 +294,8 @@ def distill(
     done = _read_done(out / RECORDS, encoded)
     if finish_partial and not done:
         raise ValueError(f"{out} holds no answered prompt of this run: nothing to finish")
+    if resume_partial:
+        (out / META).unlink()  # an unfinished run again until every prompt is done, so nothing trains on it meanwhile
     # Similar lengths in a batch waste less compute on padding; the order is deterministic so resume is exact.
     todo = [] if finish_partial else sorted((i for i in wanted if i not in done), key=lambda i: (len(encoded[i]), i))
     empty = 0
