@@ -3,7 +3,8 @@
 Output folder layout: ``records.jsonl`` (one ``{"idx", "prompt_ids", "response_ids"}`` per line, appended and
 flushed batch by batch, so an interrupted run resumes where it stopped) and ``meta.json``, written atomically only
 when every prompt is done, or when asked to finish a run early (``finish_partial``; the meta then says
-``"partial": true``, and calling again without it goes on from there). A folder without ``meta.json`` is an unfinished run, never mistaken for a dataset.
+``"partial": true``, and calling again without it goes on from there). A folder without ``meta.json`` is an
+unfinished run, never mistaken for a dataset.
 Generation runs through ``target.generate`` (batched) or, for large targets on GPUs, vLLM's offline engine.
 """
 
@@ -247,8 +248,9 @@ def distill(
         raise ValueError(f"unknown backend {backend!r}; choose transformers or vllm")
     out = Path(out_dir)
     # A run finished early (``finish_partial``) goes on when called again without it; any other finished run is done.
-    resume_partial = (out / META).exists() and not finish_partial and json.loads((out / META).read_text()).get("partial")
-    if (out / META).exists() and not resume_partial:
+    finished = (out / META).exists()
+    resume_partial = finished and not finish_partial and json.loads((out / META).read_text()).get("partial")
+    if finished and not resume_partial:
         return out
     if finish_partial and not (out / RECORDS).is_file():
         raise FileNotFoundError(f"{out} holds no started distillation run: nothing to finish")
