@@ -14,3 +14,6 @@ $D3D distill --prompts sharegpt:train --skip-prompts 1200 --num-prompts 2000 "${
 $D3D distill --prompts gsm8k:train --num-prompts 2000 --do-sample --temperature 0.7 --seed 1 "${COMMON[@]}" \
     --out "$OUT/gsm8k_train_0_t07"
 $D3D distill --prompts sharegpt:code --skip-prompts 1000 --num-prompts 1500 "${COMMON[@]}" --out "$OUT/sharegpt_code_1000"
+# fp32: on a CPU without bf16 units (AVX2 only) bf16 generation is emulated and several times slower
+$D3D distill --prompts sharegpt:train --skip-prompts 3200 --num-prompts 2000 --dtype float32 --max-new-tokens 256 \
+    --max-prompt-tokens 384 --batch-size 16 --out "$OUT/sharegpt_train_3200"
