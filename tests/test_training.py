@@ -279,8 +279,13 @@ def test_final_weights_in_the_save_dtype_checkpoints_in_fp32(toy, toy_data, tmp_
     cfg = TrainConfig(max_steps=2, batch_size=4, warmup_steps=0, save_every=1, eval_every=1000, save_dtype="bfloat16")
     drafter = make_drafter(target, block_size=4)
     final = train(drafter, toy_data, tmp_path, cfg)
-    saved = type(drafter).from_pretrained(final, dtype="auto")
-    assert saved.dtype == torch.bfloat16 and drafter.dtype == torch.float32  # the trained model itself is untouched
+    from safetensors import safe_open
+
+    # Read the stored tensors: dtype="auto" loads bf16 weights in fp32 on a CPU without bf16 units.
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert drafter.dtype == torch.float32  # the trained model itself is untouched
+    saved = type(drafter).from_pretrained(final, dtype=torch.bfloat16)
     torch.testing.assert_close(saved.float().state_dict(), drafter.to(torch.bfloat16).float().state_dict())
     checkpoint = type(drafter).from_pretrained(tmp_path / "checkpoint", dtype="auto")
     assert checkpoint.dtype == torch.float32
