@@ -59,6 +59,8 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished folder gets the usual permissions
     try:
         yield tmp
+        for path in tmp.rglob("*"):  # safetensors writes its files private (0600); give them the umask's permissions
+            path.chmod((path.stat().st_mode & 0o7777) | ((0o777 if path.is_dir() else 0o666) & ~umask))
         if old.exists():
             shutil.rmtree(old)
         if out.exists():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -110,6 +112,28 @@ def test_atomic_folder_is_complete_or_absent(tmp_path):
         assert [p.name for p in out.iterdir()] == ["b"]  # the complete copy is back before anything else happens
         (tmp / "c").write_text("newer")
     assert [p.name for p in out.iterdir()] == ["c"] and [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_atomic_folder_gives_private_files_the_umasks_permissions(tmp_path):
+    import stat
+
+    from safetensors.torch import save_file
+
+    from hf_d3d.atomic import atomic_folder
+
+    old_umask = os.umask(0o022)
+    try:
+        with atomic_folder(tmp_path / "model") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))  # safetensors writes it 0600
+            (tmp / "sub").mkdir(mode=0o700)
+            (tmp / "sub" / "run.sh").write_text("")
+            (tmp / "sub" / "run.sh").chmod(0o700)
+    finally:
+        os.umask(old_umask)
+    names = ("model.safetensors", "sub", "sub/run.sh")
+    modes = {p: stat.S_IMODE((tmp_path / "model" / p).stat().st_mode) for p in names}
+    assert modes["model.safetensors"] == 0o644  # readable by the other users of a shared cache
+    assert modes["sub"] == 0o755 and modes["sub/run.sh"] == 0o744  # readable too; nothing is taken away
 
 
 def test_atomic_folder_leaves_a_running_writers_scratch_alone(tmp_path):
