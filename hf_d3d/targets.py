@@ -31,10 +31,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HF_D3D_CACHE", Path.home() / ".cache" / "hf_d3d"))
 
 
+def _is_converted(out: Path) -> bool:
+    return (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+
+
 def _embedded_smollm2_dir() -> Path:
     """Return a local safetensors copy of SmolLM2-135M-Instruct, converting the packaged GGUF on first use."""
     out = cache_dir() / "SmolLM2-135M-Instruct"
-    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+    if _is_converted(out):
         return out
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
@@ -45,9 +49,8 @@ def _embedded_smollm2_dir() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Two processes started together (a benchmark beside a distillation) convert once: the second waits, then reads.
     with FileLock(str(out.parent / f".{out.name}.lock")):
-        if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
-            return out
-        _convert_gguf(Path(spec.origin).parent, out)
+        if not _is_converted(out):  # checked again: the process that held the lock may have converted it
+            _convert_gguf(Path(spec.origin).parent, out)
     return out
 
 
