@@ -21,6 +21,18 @@ def write_json_atomic(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def _current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def open_up(path: Path, umask: int | None = None) -> None:
+    """Give ``path`` the permissions the umask allows: safetensors and mkdtemp create theirs private (0600/0700)."""
+    umask = _current_umask() if umask is None else umask
+    path.chmod((path.stat().st_mode & 0o7777) | ((0o777 if path.is_dir() else 0o666) & ~umask))
+
+
 def _writer_alive(suffix: str) -> bool:
     """Whether the scratch folder named ``.<out>-<pid>-<random>`` belongs to a process still running here."""
     pid = suffix.split("-", 1)[0]
@@ -54,13 +66,11 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         if not _writer_alive(stale.name[len(out.name) + 2 :]):
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-{os.getpid()}-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the finished folder gets the usual permissions
+    umask = _current_umask()
     try:
         yield tmp
-        for path in tmp.rglob("*"):  # safetensors writes its files private (0600); give them the umask's permissions
-            path.chmod((path.stat().st_mode & 0o7777) | ((0o777 if path.is_dir() else 0o666) & ~umask))
+        for path in [tmp, *tmp.rglob("*")]:  # readable by the other users of a shared cache, as a plain write would be
+            open_up(path, umask)
         if old.exists():
             shutil.rmtree(old)
         if out.exists():

@@ -114,12 +114,13 @@ def test_atomic_folder_is_complete_or_absent(tmp_path):
     assert [p.name for p in out.iterdir()] == ["c"] and [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
-def test_atomic_folder_gives_private_files_the_umasks_permissions(tmp_path):
+def test_written_files_get_the_umasks_permissions(tmp_path):
     import stat
 
     from safetensors.torch import save_file
 
     from hf_d3d.atomic import atomic_folder
+    from hf_d3d.train.token_file import write_token_file
 
     old_umask = os.umask(0o022)
     try:
@@ -128,11 +129,14 @@ def test_atomic_folder_gives_private_files_the_umasks_permissions(tmp_path):
             (tmp / "sub").mkdir(mode=0o700)
             (tmp / "sub" / "run.sh").write_text("")
             (tmp / "sub" / "run.sh").chmod(0o700)
+        records = [{"prompt_ids": [1, 2], "response_ids": [3]}]
+        token_file = write_token_file(records, tmp_path / "data.safetensors", 8, {"target": "tiny"})
     finally:
         os.umask(old_umask)
     names = ("model.safetensors", "sub", "sub/run.sh")
     modes = {p: stat.S_IMODE((tmp_path / "model" / p).stat().st_mode) for p in names}
     assert modes["model.safetensors"] == 0o644  # readable by the other users of a shared cache
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o644
     assert modes["sub"] == 0o755 and modes["sub/run.sh"] == 0o744  # readable too; nothing is taken away
 
 

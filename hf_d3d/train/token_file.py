@@ -18,6 +18,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from hf_d3d.atomic import open_up
+
 FORMAT = "hf-d3d-tokens/1"
 
 # What the prompts of each source may be used for; the responses are the target's own text under its licence.
@@ -58,10 +60,11 @@ def write_token_file(records: list[dict], path: str | Path, vocab_size: int, pro
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a scratch file
     save_file(arrays, str(tmp), metadata=meta)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+    open_up(tmp)
     os.replace(tmp, path)
     return path
 
