@@ -17,3 +17,6 @@ $D3D distill --prompts sharegpt:code --skip-prompts 1000 --num-prompts 1500 "${C
 # fp32: on a CPU without bf16 units (AVX2 only) bf16 generation is emulated and several times slower
 $D3D distill --prompts sharegpt:train --skip-prompts 3200 --num-prompts 2000 --dtype float32 --max-new-tokens 256 \
     --max-prompt-tokens 384 --batch-size 16 --out "$OUT/sharegpt_train_3200"
+# sharegpt:train 11200-13199 holds none of the prompts of the code slices above (sharegpt:code 400-2499)
+$D3D distill --prompts sharegpt:train --skip-prompts 11200 --num-prompts 2000 --dtype float32 --max-new-tokens 256 \
+    --max-prompt-tokens 384 --batch-size 16 --out "$OUT/sharegpt_train_11200"
