@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import tomllib
 from huggingface_hub import ModelCard
 
 from conftest import make_drafter, tiny_target
@@ -130,3 +132,14 @@ def test_metrics_rows_merge_by_dataset(tmp_path):
     assert "speedup" not in rows[1]  # a new tau measurement drops a speedup measured for an older drafter
     _update_metrics(str(tmp_path), {"dataset": "sharegpt", "tau": 1.3, "command": "b"}, {"speedup": 1.05})
     assert json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"][-1]["speedup"] == 1.05
+
+
+def test_space_asks_for_the_transformers_versions_the_package_supports():
+    """The Space installs its own requirements (hf_d3d/ copied beside app.py until hf-d3d is on PyPI): a range
+    wider than the package's would build a Space on a transformers the suite never ran."""
+    root = Path(__file__).resolve().parents[1]
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    (package,) = [d.replace(" ", "") for d in deps if d.startswith("transformers")]
+    lines = (root / "examples/space/requirements.txt").read_text().splitlines()
+    (space,) = [line.replace(" ", "") for line in lines if line.startswith("transformers")]
+    assert space == package
