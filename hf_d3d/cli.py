@@ -389,7 +389,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
 def _cmd_prune(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.prune import make_healer, prune, teacher_forced_judge
+    from hf_d3d.prune import judge_answers, make_healer, prune, teacher_forced_judge
     from hf_d3d.targets import load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
     from hf_d3d.train.trainer import TrainConfig
@@ -413,10 +413,7 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     judge, ids = None, []
     if args.judge_data:  # rank layers by teacher-forced tau on the target's answers (no target forwards)
         records = load_records(*args.judge_data)
-        step = max(1, len(records) // args.judge_records)
-        # answers cut to their first 128 tokens: every candidate layer is judged, so each judgement must be cheap
-        chosen = [{**r, "response_ids": r["response_ids"][:128]} for r in records[::step][: args.judge_records]]
-        judge = teacher_forced_judge(chosen)
+        judge = teacher_forced_judge(judge_answers(records, args.judge_records))
     else:
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]
     holdout = None

@@ -113,6 +113,13 @@ def tau_with_skipped(
         drafter.model.skip_layers = set()
 
 
+def judge_answers(records: list[dict], count: int, max_tokens: int = 128) -> list[dict]:
+    """``count`` answers spread evenly over ``records``, each cut to its first ``max_tokens`` response tokens: every
+    candidate layer is judged on them, so each judgement must be cheap."""
+    step = max(1, len(records) // count)
+    return [{**r, "response_ids": r["response_ids"][:max_tokens]} for r in records[::step][:count]]
+
+
 def teacher_forced_judge(records: list[dict], blocks_per_record: int = 8) -> Callable:
     """A pruning judge that estimates tau from the target's own answers (no target forward; see
     :func:`hf_d3d.evaluate.teacher_forced_tau`): what makes judging every layer of a whole-LM drafter affordable."""

@@ -15,16 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from hf_d3d.evaluate import teacher_forced_tau
-from hf_d3d.prune import drop_layers
+from hf_d3d.prune import drop_layers, judge_answers
 from hf_d3d.targets import load_drafter
 from hf_d3d.train.distill import load_records
 from hf_d3d.train.objective import IGNORE, make_batch
 
 DATA = "data/distill/SmolLM2-135M-Instruct/"
-
-
-def cut(records: list[dict], n: int = 128) -> list[dict]:
-    return [{**r, "response_ids": r["response_ids"][:n]} for r in records]
 
 
 def main() -> None:
@@ -40,9 +36,10 @@ def main() -> None:
     teacher = load_drafter(args.drafter).float().eval()
     # the answers `hf-d3d prune --judge-data <sharegpt_train_0, gsm8k_train_0> --judge-records 16` judges on
     judge_src = load_records(DATA + "sharegpt_train_0.safetensors", DATA + "gsm8k_train_0.safetensors")
-    judge = cut(judge_src[:: max(1, len(judge_src) // 16)][:16])
+    judge = judge_answers(judge_src, 16)
     gsm8k = load_records(DATA + "gsm8k_train_1000.safetensors")
-    held = cut(load_records(DATA + "sharegpt_train_11200.safetensors")[-16:] + gsm8k[-16:])
+    held_src = load_records(DATA + "sharegpt_train_11200.safetensors")[-16:] + gsm8k[-16:]
+    held = judge_answers(held_src, len(held_src))
     pool = load_records(DATA + "sharegpt_train_3200.safetensors", DATA + "sharegpt_code_400.safetensors") + gsm8k[:-16]
     heal = [r for r in pool if len(r["prompt_ids"]) + len(r["response_ids"]) <= 384]
 
