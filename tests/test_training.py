@@ -316,6 +316,11 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch):
     b = type(make_drafter(target)).from_pretrained(resumed).state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    # The log's wall time is the run's, summed over the resume: it never goes back at the restart.
+    log = json.loads((resumed / "training_log.json").read_text())["log"]
+    assert [m["step"] for m in log] == list(range(1, 7))
+    elapsed = [m["elapsed_s"] for m in log]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
 
 
 def test_bad_records_are_refused():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -223,6 +224,8 @@ def train(
         vocab_index = vocab_index.to(accelerator.device)
 
     bar = tqdm(total=config.max_steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+    # Wall seconds of the whole run, summed over resumes, so a log says what each step cost on its hardware.
+    elapsed, started = (log[-1].get("elapsed_s", 0.0) if log else 0.0), time.perf_counter()
     while step < config.max_steps:
         metrics = {}
         for micro in range(config.grad_accum):
@@ -243,6 +246,7 @@ def train(
                 optimizer.zero_grad()
         step += 1
         metrics["step"], metrics["lr"] = step, scheduler.get_last_lr()[0]
+        metrics["elapsed_s"] = round(elapsed + time.perf_counter() - started, 2)
         bar.update(1)
         bar.set_postfix({k: round(v, 3) for k, v in metrics.items() if k in ("loss", "denoise", "ar", "slot0_acc")})
         if (

@@ -1,0 +1,116 @@
+"""Continue training the whole-LM drafter on one GPU for a fixed wall-clock budget, several settings side by side.
+
+Each setting runs as its own `accelerate launch -m hf_d3d.cli train` process on the same GPU (a 135M drafter leaves
+most of an accelerator idle). A short probe run of each measures seconds per step first, so the real run gets the
+number of steps (and so the full cosine schedule) that fits the budget. Each result is packed into tar files of
+at most 15 MiB (the block adapters, config and training log) for copying off the machine.
+
+Usage: python scripts/gpu_train_whole.py --budget-s 300 --out OUT [--batch-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+INIT = "checkpoints/SmolLM2-135M-Instruct-D3D-whole"
+SETTINGS = {  # name: the train arguments that differ
+    "top10": ["--block-adapter-rank", "64", "--lr", "2e-4"],  # the shipped adapters, trained on
+    "all30": ["--block-adapter-rank", "64", "--widen-block-adapters", "0", "--lr", "4e-4"],  # + 20 zero-init layers
+}
+
+
+def launch(name: str, extra: list[str], steps: int, out: Path, args: argparse.Namespace) -> subprocess.Popen:
+    data = sorted(str(p) for p in Path("data/distill/SmolLM2-135M-Instruct").glob("*.safetensors"))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
+    cmd += ["--mixed_precision", "bf16", "--dynamo_backend", "no", "-m", "hf_d3d.cli", "train"]
+    cmd += ["--init-from", INIT, "--data", *data, "--num-blocks", "32", "--batch-size", str(args.batch_size)]
+    cmd += ["--warmup-steps", str(min(30, steps // 10)), "--steps", str(steps), "--mixed-precision", "bf16"]
+    cmd += ["--save-dtype", "bfloat16", "--save-every", "100", "--num-eval-prompts", "0", "--out", str(out), *extra]
+    print(" ".join(cmd), flush=True)
+    log = open(out.parent / f"{out.name}.log", "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def seconds_per_step(run: Path) -> float:
+    """From the probe's log: the cost of a step once warm (the first steps compile kernels and fill caches)."""
+    log = json.loads((run / "final" / "training_log.json").read_text())["log"]
+    warm = log[len(log) // 3 :]
+    return (warm[-1]["elapsed_s"] - warm[0]["elapsed_s"]) / max(1, len(warm) - 1)
+
+
+def export(run: Path, dest: Path) -> Path | None:
+    """Pack the run's final folder, or its latest checkpoint reduced to the adapters, into <=15 MiB tar parts."""
+    folder = run / "final"
+    if not (folder / "config.json").is_file():
+        ckpt = run / "checkpoint"
+        if not (ckpt / "config.json").is_file():
+            return None
+        import torch
+
+        from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+
+        drafter = D3DDrafterModel.from_pretrained(ckpt, dtype=torch.float32).to(torch.bfloat16)
+        folder = run / "partial"
+        drafter.save_pretrained(folder, omit_base_weights=True)
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        (folder / "training_log.json").write_text(json.dumps({"config": state["config"], "log": state["log"]}))
+    tar = dest / f"{run.name}.tar"
+    with tarfile.open(tar, "w") as t:
+        for f in sorted(folder.iterdir()):
+            if f.suffix in (".safetensors", ".json"):
+                t.add(f, arcname=f.name)
+    data, part = tar.read_bytes(), 15 * 2**20
+    tar.unlink()
+    for i in range(0, len(data), part):
+        (dest / f"{run.name}.tar.{i // part:02d}").write_bytes(data[i : i + part])
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budget-s", type=float, required=True, help="wall seconds for the real runs")
+    parser.add_argument("--out", required=True, help="where the tar parts go")
+    parser.add_argument("--work", default="/tmp/gpu_train_whole")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--probe-steps", type=int, default=24)
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    args = parser.parse_args()
+    work, dest = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    names = args.settings.split(",")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    probes = {n: launch(n, SETTINGS[n], args.probe_steps, work / f"probe_{n}", args) for n in names}
+    for p in probes.values():
+        p.wait()
+    cost = {n: seconds_per_step(work / f"probe_{n}") for n in names}
+    print("seconds per step (side by side):", json.dumps(cost), flush=True)
+
+    start = time.time()
+    runs = {n: launch(n, SETTINGS[n], max(20, int(args.budget_s / cost[n])), work / n, args) for n in names}
+    for n, p in runs.items():
+        try:
+            p.wait(timeout=max(1.0, args.budget_s * 1.25 + 60 - (time.time() - start)))
+        except subprocess.TimeoutExpired:  # over budget: keep the last checkpoint
+            p.kill()
+            p.wait()
+        print(f"{n}: exit {p.returncode} after {time.time() - start:.0f} s", flush=True)
+    summary = {"seconds_per_step_probe": cost, "batch_size": args.batch_size, "settings": SETTINGS}
+    for n in names:
+        folder = export(work / n, dest)
+        log = json.loads((folder / "training_log.json").read_text())["log"] if folder else []
+        summary[n] = {"exported": str(folder), "steps": len(log), "last": log[-1] if log else None}
+        print(n, json.dumps(summary[n]), flush=True)
+    (dest / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
