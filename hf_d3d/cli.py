@@ -350,7 +350,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
-    if args.async_drafting:  # otherwise the drafter's own default (async on CUDA, sync on CPU)
+    if args.async_drafting:  # otherwise the drafter's own setting (sync unless its config asks for async)
         drafter.config.async_drafting = True
     if args.num_hypotheses:
         drafter.config.num_hypotheses = args.num_hypotheses

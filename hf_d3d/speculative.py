@@ -159,7 +159,7 @@ def _plan(
     if exact and kind != "dynamic":
         raise ValueError("exact verification computes rows as plain generate does, over a dynamic cache")
     cache = _target_cache(target, kind, input_ids.shape[1] + max_new_tokens)
-    if tree and async_drafting is None:  # asked for a tree: draft in sync, even where async is the default (CUDA)
+    if tree and async_drafting is None:  # asked for a tree: draft in sync, even where a config asks for async
         async_drafting = False
     if skinny is None:
         skinny = skinny_by_default(target)
