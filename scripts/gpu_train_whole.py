@@ -20,9 +20,11 @@ import time
 from pathlib import Path
 
 INIT = "checkpoints/SmolLM2-135M-Instruct-D3D-whole"
-SETTINGS = {  # name: the train arguments that differ
-    "top10": ["--block-adapter-rank", "64", "--lr", "2e-4"],  # the shipped adapters, trained on
-    "all30": ["--block-adapter-rank", "64", "--widen-block-adapters", "0", "--lr", "4e-4"],  # + 20 zero-init layers
+# name: the train arguments that differ. Run from the stage-3 drafter (adapters in its top 10 layers), "all30"
+# became the committed stage 4; from the committed drafter, which has adapters everywhere, the two differ in lr only.
+SETTINGS = {
+    "top10": ["--block-adapter-rank", "64", "--lr", "2e-4"],  # the init's adapters as they are
+    "all30": ["--block-adapter-rank", "64", "--widen-block-adapters", "0", "--lr", "4e-4"],  # every layer adapted
 }
 
 
