@@ -153,9 +153,11 @@ def run_methods(
         outs = {}
         for m in order:
             run, stats_from = runners[m]
+            _sync(target.device)
             start = time.perf_counter()
             with count_forwards(target) as calls:
                 out = run(x)
+            _sync(target.device)  # a GPU's queued work belongs to the method that queued it
             seconds = time.perf_counter() - start
             outs[m] = out
             stats = stats_from.last_stats if stats_from is not None else None
@@ -173,6 +175,11 @@ def run_methods(
         for m in methods:
             records[m][-1]["identical_to_plain"] = bool(torch.equal(outs[m], outs["plain"]))
     return summarize(records, max_new_tokens, len(prompts_ids))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def summarize(records: dict[str, list[dict]], max_new_tokens: int, num_prompts: int) -> dict:

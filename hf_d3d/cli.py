@@ -216,8 +216,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     prompts = [p for source in args.prompts.split(",") for p in load_prompts(source, args.field, args.num_prompts)]
     import torch
 
-    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
-    drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"))
+    device = _device(args.device)
+    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
+    drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"), device=device)
     check_pair(target, drafter, tokenizer)
     fp16w = fp16_weights_supported(drafter) and not args.no_fp16_weights
     ar = None
@@ -278,6 +279,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         + (f" --drafter-dtype {args.drafter_dtype}" if args.drafter_dtype != "auto" else "")
         + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
         + (" --exact" if args.exact else "")
+        + _device_flag(device)
     )
     result["drafter_dtype"] = str(drafter.dtype).removeprefix("torch.")
     result["drafter_fp16_weights"] = fp16w
@@ -347,14 +349,16 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     from hf_d3d.targets import load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids
 
-    target, tokenizer = load_target(args.target)
-    drafter = load_drafter(args.drafter)
+    device = _device(args.device)
+    target, tokenizer = load_target(args.target, device=device)
+    drafter = load_drafter(args.drafter, device=device)
     check_pair(target, drafter, tokenizer)
     if args.async_drafting:  # otherwise the drafter's own setting (sync unless its config asks for async)
         drafter.config.async_drafting = True
     if args.num_hypotheses:
         drafter.config.num_hypotheses = args.num_hypotheses
     mode = f" --async --num-hypotheses {drafter.config.num_hypotheses}" if args.async_drafting else ""
+    mode += _device_flag(device)
     if args.fixed_length:  # the drafter's quality at num_assistant_tokens per round, whatever a round costs here
         drafter.config.round_cost = None
         mode += " --fixed-length"
@@ -474,7 +478,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     from hf_d3d.modeling.generation_d3d import cpu_kind, round_cost_key
     from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
 
-    target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
+    target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=_device(args.device))
     drafter = load_drafter(args.drafter, device=target.device)
     check_pair(target, drafter)
     skinny = skinny_by_default(target) and not args.exact and not args.no_skinny
@@ -509,6 +513,32 @@ def _cmd_publish(args: argparse.Namespace) -> None:
 
 def _add_dtype(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help=help)
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", default="auto", help="where the models run: auto (cuda when available, else cpu), cpu, cuda, cuda:N"
+    )
+
+
+def _device(name: str):
+    """``--device``: "auto" is the GPU where there is one, as a user with one expects; a missing GPU is an error."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"--device {name!r} is not a device torch knows (cpu, cuda, cuda:N)") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def _device_flag(device) -> str:
+    """The ``--device`` a recorded command needs to run where this one ran (none on a CPU)."""
+    return "" if device.type == "cpu" else f" --device {device}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -653,6 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute type of both drafters (auto: as stored, bf16 for ours)",
     )
     _add_dtype(p, "the target's compute type (plain generate runs in it too)")
+    _add_device(p)
     p.add_argument(
         "--exact",
         action="store_true",
@@ -696,6 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--write-metrics", action="store_true", help="record the rows in DRAFTER/d3d_metrics.json")
+    _add_device(p)
     p.add_argument(
         "--async", dest="async_drafting", action="store_true", help="async packed drafting (reports the hit rate)"
     )
@@ -783,7 +815,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="drafter folder (default: the committed SmolLM2 drafter)")
-    p.add_argument("--device", default=None, help="e.g. cuda (default: where the target loads)")
+    _add_device(p)
     _add_dtype(p, "the target's compute type; costs are recorded per device and dtype")
     p.add_argument(
         "--exact",

@@ -142,3 +142,24 @@ def test_published_commands_show_the_home_folder_as_tilde(monkeypatch, tmp_path)
     assert _shown(str(tmp_path / "me" / ".cache" / "peer")) == "~/.cache/peer"
     assert _shown(str(tmp_path / "meme")) == str(tmp_path / "meme")  # a sibling whose name starts the same
     assert _shown("checkpoints/x") == "checkpoints/x"
+
+
+@pytest.mark.parametrize("command", ["bench", "eval-tau", "calibrate"])
+def test_a_device_that_is_not_there_is_refused_up_front(command, monkeypatch, capsys, tmp_path):
+    """`--device auto` (the default) is the GPU where there is one; a GPU asked for on a machine without one, or a
+    device torch does not know, is a clear error before any model loads or any file is written."""
+    import torch
+
+    from hf_d3d import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli._device("auto") == torch.device("cpu") and cli._device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(cli, "_update_metrics", lambda *a: pytest.fail("nothing may be written"))
+    extra = {"bench": ["--out", str(tmp_path / "r.json")], "eval-tau": ["--drafter", str(tmp_path)], "calibrate": []}
+    for device, message in (("cuda", "CUDA is not available"), ("tpu9", "not a device torch knows")):
+        assert cli.main([command, "--device", device, *extra[command]]) == 2
+        assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli._device("auto") == torch.device("cuda")
+    assert cli._device_flag(torch.device("cpu")) == "" and cli._device_flag(torch.device("cuda")) == " --device cuda"
