@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One call on a machine with a GPU, for what a CPU cannot measure. Steps, in order (STEPS picks some):
+#   check  scripts/gpu_check.py: the packed pass beside the verify forward, greedy equality (plain and exact)
+#   train  scripts/gpu_train_whole.py: the committed whole-LM drafter trained on for BUDGET seconds, two settings
+#   tau    eval-tau on the GPU: the committed whole-LM drafter and what training made of it
+#   bench  bench on the GPU: plain, prompt lookup and both D3D paths, for the 4-layer drafter and the new whole LM
+# Usage: scripts/gpu_session.sh OUT [BUDGET]. OUT receives at most 5 files: the new adapters as tar parts of at most
+# 15 MiB (all30.tar.NN) and results.tar (every log, table and JSON). Offline: the target must be in the local cache.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: scripts/gpu_session.sh OUT [BUDGET]}"
+BUDGET="${2:-240}"
+PY="${PYTHON:-python3}"
+DEVICE="${DEVICE:-cuda}"
+STEPS="${STEPS:-check train tau bench}"
+NUM_PROMPTS="${NUM_PROMPTS:-10}" MAX_NEW="${MAX_NEW:-128}" BATCH="${BATCH:-16}"
+# transformers 5.25 fetches its Hub kernels on a train/eval switch when they are on, which fails offline
+export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}" PYTHONUNBUFFERED=1
+WORK="$(mktemp -d)"
+NEW="$WORK/whole_all30"
+SETS=gsm8k:test,humaneval,sharegpt:heldout
+mkdir -p "$OUT" "$WORK/results"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if has check; then
+    timeout 200 "$PY" scripts/gpu_check.py --layers 3 > "$WORK/results/gpu_check.txt" 2>&1
+    cat "$WORK/results/gpu_check.txt"
+fi
+if has train; then
+    "$PY" scripts/gpu_train_whole.py --budget-s "$BUDGET" --batch-size "$BATCH" --out "$WORK/train" \
+        --work "$WORK/runs" > "$WORK/results/train.txt" 2>&1
+    grep "seconds per step\|exit\|exported" "$WORK/results/train.txt"
+    cp "$WORK/train/summary.json" "$WORK/results/train_summary.json" 2>/dev/null
+    cp "$WORK"/train/all30.tar.* "$OUT"/ 2>/dev/null
+    for run in top10 all30; do  # each run's final folder, remote code added, for the steps below
+        mkdir -p "$WORK/whole_$run" && cat "$WORK"/train/$run.tar.* 2>/dev/null | tar -x -C "$WORK/whole_$run"
+        cp hf_d3d/modeling/*_d3d.py "$WORK/whole_$run"/
+        cp "$WORK/runs/$run.log" "$WORK/results/train_$run.log" 2>/dev/null
+    done
+fi
+if has tau; then
+    for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10"; do
+        [ -f "$d/config.json" ] || continue
+        echo "$d"
+        "$PY" -m hf_d3d.cli eval-tau --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
+            --max-new-tokens "$MAX_NEW" --fixed-length 2>&1 | grep "tau "
+    done | tee "$WORK/results/tau.txt"
+fi
+if has bench; then
+    for d in checkpoints/SmolLM2-135M-Instruct-D3D "$NEW"; do
+        [ -f "$d/config.json" ] || continue
+        name="$(basename "$d")"
+        "$PY" -m hf_d3d.cli bench --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
+            --max-new-tokens "$MAX_NEW" --methods plain,prompt_lookup,d3d_hub,d3d_sync,d3d_fast \
+            --out "$WORK/results/bench_$name.json" > "$WORK/results/bench_$name.txt" 2>&1
+        echo "$name"; grep "^|\|FAILED" "$WORK/results/bench_$name.txt"
+    done
+fi
+tar -cf "$OUT/results.tar" -C "$WORK" results
+ls -la "$OUT"
