@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hf_d3d.calibrate import synchronize
 from hf_d3d.cpu.skinny import no_skinny_linears, skinny_by_default, skinny_linears
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.exact import exact_verification
@@ -153,11 +154,11 @@ def run_methods(
         outs = {}
         for m in order:
             run, stats_from = runners[m]
-            _sync(target.device)
+            synchronize(target.device)
             start = time.perf_counter()
             with count_forwards(target) as calls:
                 out = run(x)
-            _sync(target.device)  # a GPU's queued work belongs to the method that queued it
+            synchronize(target.device)  # a GPU's queued work belongs to the method that queued it
             seconds = time.perf_counter() - start
             outs[m] = out
             stats = stats_from.last_stats if stats_from is not None else None
@@ -175,11 +176,6 @@ def run_methods(
         for m in methods:
             records[m][-1]["identical_to_plain"] = bool(torch.equal(outs[m], outs["plain"]))
     return summarize(records, max_new_tokens, len(prompts_ids))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def summarize(records: dict[str, list[dict]], max_new_tokens: int, num_prompts: int) -> dict:

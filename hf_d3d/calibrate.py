@@ -23,14 +23,18 @@ from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 
 
-def _timer(device: torch.device):
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU runs ahead of the host), so a wall clock times what ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
+
+def _timer(device: torch.device):
     def timed(fn) -> float:
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        sync()
+        synchronize(device)
         return time.perf_counter() - start
 
     return timed

@@ -54,15 +54,12 @@ def export(run: Path, dest: Path) -> Path | None:
         ckpt = run / "checkpoint"
         if not (ckpt / "config.json").is_file():
             return None
-        import torch
-
         from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
+        from hf_d3d.train.trainer import TrainConfig, save_final
 
-        drafter = D3DDrafterModel.from_pretrained(ckpt, dtype=torch.float32).to(torch.bfloat16)
-        folder = run / "partial"
-        drafter.save_pretrained(folder, omit_base_weights=True)
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        (folder / "training_log.json").write_text(json.dumps({"config": state["config"], "log": state["log"]}))
+        folder = run / "partial"  # what the run would have saved as final, had it ended at its last checkpoint
+        save_final(D3DDrafterModel.from_pretrained(ckpt), folder, TrainConfig(**state["config"]), state["log"])
     tar = dest / f"{run.name}.tar"
     with tarfile.open(tar, "w") as t:
         for f in sorted(folder.iterdir()):

@@ -267,15 +267,20 @@ def train(
     bar.close()
     final = out / FINAL
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model).eval()
-        if config.save_dtype != "float32":
-            unwrapped = copy.deepcopy(unwrapped).to(getattr(torch, config.save_dtype))
-        # Adapters-only training leaves the base LM as it was: the result stores the adapters, the base is fetched.
-        omit = config.adapters_only and bool(unwrapped.config.base_model)
-        with atomic_folder(final, overwrite=True) as tmp:
-            unwrapped.save_pretrained(tmp, omit_base_weights=omit)
-            write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
+        save_final(accelerator.unwrap_model(model), final, config, log)
     return final
+
+
+def save_final(drafter: PreTrainedModel, folder: Path, config: TrainConfig, log: list) -> None:
+    """Write a run's result (atomically): the drafter in ``config.save_dtype`` and the training log beside it."""
+    drafter = drafter.eval()
+    if config.save_dtype != "float32":
+        drafter = copy.deepcopy(drafter).to(getattr(torch, config.save_dtype))
+    # Adapters-only training leaves the base LM as it was: the result stores the adapters, the base is fetched.
+    omit = config.adapters_only and bool(drafter.config.base_model)
+    with atomic_folder(folder, overwrite=True) as tmp:
+        drafter.save_pretrained(tmp, omit_base_weights=omit)
+        write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
 
 
 def epochs_to_steps(num_records: int, epochs: float, batch_size: int, grad_accum: int, num_processes: int = 1) -> int:
