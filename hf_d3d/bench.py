@@ -22,6 +22,7 @@ from hf_d3d.calibrate import synchronize
 from hf_d3d.cpu.skinny import no_skinny_linears, skinny_by_default, skinny_linears
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.exact import exact_verification
+from hf_d3d.fused import fused_generate
 from hf_d3d.speculative import speculative_generate
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
@@ -34,6 +35,7 @@ ALL_METHODS = (
     "d3d_async",
     "d3d_fast",
     "d3d_fast_chain",
+    "d3d_fused",
 )
 # d3d_hub: the path a Hub user takes, the drafter as `from_pretrained(..., trust_remote_code=True)` loads it and
 # `target.generate(assistant_model=drafter)` with no library call; the other d3d methods get the library's settings
@@ -76,6 +78,8 @@ def _runner(
     if method in ("d3d_fast", "d3d_fast_chain"):  # the chain: what the fast loop's trees add, and what its loop does
         tree = None if method == "d3d_fast" else False
         return lambda x: speculative_generate(target, drafter, x, max_new_tokens=max_new, skinny=skinny, tree=tree)
+    if method == "d3d_fused":  # a drafter that is its target plus adapters: one target forward per round
+        return lambda x: fused_generate(target, drafter, x, max_new_tokens=max_new)
     raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
 
 

@@ -3,7 +3,8 @@
 #   check  scripts/gpu_check.py: the packed pass beside the verify forward, greedy equality (plain and exact)
 #   train  scripts/gpu_train_whole.py: the committed whole-LM drafter trained on for BUDGET seconds, two settings
 #   tau    eval-tau on the GPU: the committed whole-LM drafter and what training made of it
-#   bench  bench on the GPU: plain, prompt lookup and both D3D paths, for the 4-layer drafter and the new whole LM
+#   bench  bench on the GPU: plain, prompt lookup and the D3D paths (d3d_fused for whole-LM drafters), for the
+#          4-layer drafter, the committed whole LM and the new one
 # Usage: scripts/gpu_session.sh OUT [BUDGET]. OUT receives at most 5 files: the new adapters as tar parts of at most
 # 15 MiB (all30.tar.NN) and results.tar (every log, table and JSON). Offline: the target must be in the local cache.
 set -uo pipefail
@@ -47,11 +48,13 @@ if has tau; then
     done | tee "$WORK/results/tau.txt"
 fi
 if has bench; then
-    for d in checkpoints/SmolLM2-135M-Instruct-D3D "$NEW"; do
+    for d in checkpoints/SmolLM2-135M-Instruct-D3D checkpoints/SmolLM2-135M-Instruct-D3D-whole "$NEW"; do
         [ -f "$d/config.json" ] || continue
         name="$(basename "$d")"
+        methods=plain,prompt_lookup,d3d_hub,d3d_sync,d3d_fast
+        [[ "$d" == *whole* ]] && methods="$methods,d3d_fused"  # a drafter that is the target plus adapters
         "$PY" -m hf_d3d.cli bench --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
-            --max-new-tokens "$MAX_NEW" --methods plain,prompt_lookup,d3d_hub,d3d_sync,d3d_fast \
+            --max-new-tokens "$MAX_NEW" --methods "$methods" \
             --out "$WORK/results/bench_$name.json" > "$WORK/results/bench_$name.txt" 2>&1
         echo "$name"; grep "^|\|FAILED" "$WORK/results/bench_$name.txt"
     done

@@ -1,0 +1,212 @@
+"""One target forward that verifies the current draft and drafts the next: D3D for a drafter that *is* its target.
+
+A whole-LM drafter converted from the target itself (``hf-d3d train --whole-lm target --block-adapter-rank R``) runs
+the target's exact computation on context tokens and sends only block tokens through its low-rank adapters, and a
+block's first draft token is read from its anchor's causal output (the shift). So the target's own forward can carry
+the drafter's blocks: the verification rows stay the target's own, and a block anchored after each likely accepted
+prefix drafts the next chain in the same pass. A round costs one target forward instead of a verify forward plus a
+drafter pass, and no second copy of the weights is read. The block anchored after the prefix the target accepts
+holds the next chain: its slot 0 sits where the target's own next token goes (committed from the verification row),
+its slots 0..S-2 predict the S-1 tokens after that. Where the accepted prefix had no block, the next pass verifies
+nothing and drafts afresh, so every pass commits at least the target's own token.
+
+Greedy decoding, batch size 1, a dynamic cache. :func:`fusable` says whether a drafter qualifies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from hf_d3d.checks import check_pair
+from hf_d3d.exact import is_exact
+from hf_d3d.modeling.attention_d3d import d3d_attention_mask, pack_blocks
+from hf_d3d.modeling.compat_d3d import cache_kwarg
+from hf_d3d.modeling.generation_d3d import D3DStats
+from hf_d3d.verify import verify_greedy
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def fusable(target: PreTrainedModel, drafter: PreTrainedModel) -> str | None:
+    """``None`` where ``drafter`` is ``target`` plus block adapters (so one target forward can run both); else why
+    not. Compares every base weight of the drafter with the target's, cast to the drafter's dtype, once per pair of
+    weight versions (the answer is kept on the drafter)."""
+    pairs = _base_pairs(target, drafter)
+    if isinstance(pairs, str):
+        return pairs
+    key = (id(target), tuple((t.data_ptr(), t._version) for pair in pairs for t in pair))
+    kept = getattr(drafter, "_fusable", None)
+    if kept is None or kept[0] != key:
+        same = all(m.shape == t.shape and torch.equal(m, t.to(m.device, m.dtype)) for m, t in pairs)
+        drafter._fusable = (key, None if same else "the drafter's base weights differ from the target's")
+    return drafter._fusable[1]
+
+
+def _base_pairs(target: PreTrainedModel, drafter: PreTrainedModel) -> list[tuple[torch.Tensor, torch.Tensor]] | str:
+    """(drafter, target) pairs of every base weight, or why the drafter has no such pairing."""
+    cfg = drafter.config
+    if not getattr(cfg, "shifted_slots", False) or not getattr(cfg, "block_adapter_rank", 0):
+        return "the drafter is not a whole LM with block adapters and shifted slots (hf-d3d train --whole-lm target)"
+    layers = target.get_decoder().layers
+    if list(cfg.target_layer_ids or []) != list(range(len(layers))) or cfg.num_hidden_layers != len(layers):
+        return f"the drafter keeps target layers {cfg.target_layer_ids}, not all {len(layers)} of them"
+    if drafter.model.skip_layers:
+        return "the drafter skips layers at run time"
+    pairs = [(drafter.model.embed_tokens.weight, target.get_input_embeddings().weight)]
+    pairs.append((drafter.model.norm.weight, target.get_decoder().norm.weight))
+    for mine, theirs in zip(drafter.model.layers, layers):
+        pairs += [(getattr(mine.self_attn, n).weight, getattr(theirs.self_attn, n).weight) for n in _ATTN]
+        pairs += [(getattr(mine.mlp, n).weight, getattr(theirs.mlp, n).weight) for n in _MLP]
+        pairs += [(mine.input_layernorm.weight, theirs.input_layernorm.weight)]
+        pairs += [(mine.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight)]
+    return [(m.detach(), t.detach()) for m, t in pairs]
+
+
+def likely_acceptances(confidence: list[float], budget: int) -> list[int]:
+    """The ``budget`` most likely accepted-prefix lengths of a greedy draft whose token i is right with probability
+    ``confidence[i]`` (the drafter's own): P(exactly j accepted) = c_1 ... c_j (1 - c_{j+1}), and all k accepted
+    with c_1 ... c_k."""
+    probs, reach = [], 1.0
+    for c in confidence:
+        probs.append(reach * (1.0 - c))
+        reach *= c
+    probs.append(reach)
+    return sorted(sorted(range(len(probs)), key=lambda j: -probs[j])[: max(budget, 1)])
+
+
+@contextlib.contextmanager
+def _adapters_on(target: PreTrainedModel, drafter: PreTrainedModel, rows: dict) -> Iterator[None]:
+    """Add the drafter's block adapters to the target's projections, for the rows from ``rows["from"]`` on, and
+    keep the decoder's output in ``rows["hidden"]``."""
+
+    def hook_for(adapter):
+        down = adapter.down.weight.detach().to(dtype)
+        up = adapter.up.detach().to(dtype)
+
+        def hook(module, args, out):
+            n = rows["from"]
+            if n is not None and out.shape[1] > n:  # batch size 1: 2-D rows keep these matmuls plain mm calls
+                out[0, n:] += F.linear(F.linear(args[0][0, n:], down), up)
+            return out
+
+        return hook
+
+    def keep_hidden(module, args, out):  # the normed last hidden states: the block rows' drafts are read from them
+        rows["hidden"] = out.last_hidden_state
+
+    dtype = target.dtype
+    handles = []
+    try:
+        for mine, theirs in zip(drafter.model.layers, target.get_decoder().layers):
+            for part, names in (("self_attn", _ATTN), ("mlp", _MLP)):
+                adapters = getattr(mine, part).block_adapters
+                for name in names if adapters is not None else ():
+                    module = getattr(getattr(theirs, part), name)
+                    handles.append(module.register_forward_hook(hook_for(adapters[name])))
+        handles.append(target.get_decoder().register_forward_hook(keep_hidden))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def fused_generate(
+    target: PreTrainedModel,
+    drafter: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int = 128,
+    eos_token_id: int | list[int] | None = None,
+    num_hypotheses: int | None = None,
+) -> torch.LongTensor:
+    """Greedy decode of ``target`` whose rounds each cost one target forward (see the module); returns prompt + new
+    tokens ``[1, n]``, the tokens ``target.generate(do_sample=False)`` returns. ``eos_token_id`` defaults to the
+    target's generation config. ``num_hypotheses``: blocks per pass, anchored after the most likely accepted
+    prefixes (default: every prefix on an accelerator, 2 on a CPU, where each block's rows cost compute). Statistics
+    in ``drafter.last_stats`` (``hits``: passes whose accepted prefix had a block)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"fused_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_pair(target, drafter)
+    why_not = fusable(target, drafter)
+    if why_not:
+        raise ValueError(f"fused_generate needs a drafter that is its target plus block adapters: {why_not}")
+    if is_exact(target) or "flash" in str(getattr(target.config, "_attn_implementation", "")):
+        raise ValueError("fused_generate passes a D3D mask to the target: it needs sdpa or eager attention")
+    if eos_token_id is None and target.generation_config is not None:
+        eos_token_id = target.generation_config.eos_token_id
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    size = drafter.config.block_size
+    per_round = min(size - 1, int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or size))
+    device = target.device
+    if num_hypotheses is None:
+        num_hypotheses = per_round + 1 if device.type != "cpu" else 2
+    draft_vocab = drafter.draft_vocab.to(device) if drafter.config.draft_vocab_size is not None else None
+    head = target.get_output_embeddings().weight
+    draft_head = head if draft_vocab is None else head.index_select(0, draft_vocab)
+    mask_vector = drafter.model.mask_vector().detach().to(device, target.dtype)
+    embed = target.get_input_embeddings()
+    stats = drafter.last_stats = D3DStats()
+
+    seq = input_ids.to(device)
+    limit = seq.shape[1] + max_new_tokens
+    cache, cached = DynamicCache(), 0
+    draft: list[int] = []
+    confidence: list[float] = []
+    rows: dict = {"from": None}
+    with _adapters_on(target, drafter, rows):
+        while seq.shape[1] < limit:
+            # Context: the tokens the cache lacks (the prompt, then the last committed token) and the draft.
+            pending = seq[:, cached:]
+            context = torch.cat([pending, torch.tensor([draft], device=device, dtype=seq.dtype)], dim=1)
+            first = pending.shape[1] - 1  # the row whose output is the target's token after the committed text
+            hyps = likely_acceptances(confidence, num_hypotheses) if draft else [0]
+            ids, layout = pack_blocks(context, cached, [cached + first + j for j in hyps], size, fill_id=0)
+            x = torch.where(layout.is_slot[..., None], mask_vector, embed(ids))
+            mask = d3d_attention_mask(layout, cached)
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=device).masked_fill(~mask, torch.finfo(x.dtype).min)
+            rows["from"] = layout.num_context
+            keep = torch.arange(first, layout.num_context, device=device)  # the verification rows
+            logits = target(
+                inputs_embeds=x,
+                attention_mask=mask,
+                position_ids=layout.position_ids,
+                use_cache=True,
+                logits_to_keep=keep,
+                **{cache_kwarg(target): cache},
+            ).logits[0]
+            hidden = rows["hidden"][0]
+            accepted, token = verify_greedy(torch.tensor(draft, device=device, dtype=torch.long), logits)
+            stats.rounds += 1
+            stats.drafted_tokens += len(draft)
+            new = draft[:accepted] + [token]
+            stats.record(accepted, len(new))
+            cached += pending.shape[1] + accepted
+            cache.crop(cached - cache.get_seq_length())  # drop the rejected drafts' and the blocks' keys
+            if accepted in hyps:
+                stats.hits += draft != []
+                start = layout.num_context + hyps.index(accepted) * size
+                logits = F.linear(hidden[start : start + per_round], draft_head)
+                picks = logits.argmax(-1)
+                if num_hypotheses <= per_round:  # the draft's own confidence ranks the next pass's hypotheses
+                    confidence = logits.float().softmax(-1).gather(-1, picks[:, None])[:, 0].tolist()
+                picks = picks if draft_vocab is None else draft_vocab[picks]
+                draft = picks.tolist()
+            else:
+                stats.misses += 1
+                draft, confidence = [], []
+            stop = next((i for i, t in enumerate(new) if t in eos), None)
+            new = new[: None if stop is None else stop + 1][: limit - seq.shape[1]]
+            seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], dim=1)
+            if stop is not None:
+                break
+            draft = draft[: limit - seq.shape[1] - 1] if limit - seq.shape[1] > 1 else []
+            confidence = confidence[: len(draft)] if num_hypotheses <= per_round else [1.0] * len(draft)
+    return seq

@@ -1,0 +1,117 @@
+"""One target forward that verifies and drafts (hf_d3d.fused): same tokens as greedy generate, the same drafts as
+the drafter's own pass, and a clear refusal of drafters it cannot fuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import EOS, FAMILIES, prompts, tiny_target
+from hf_d3d import D3DDrafterModel, fused
+from hf_d3d.fused import fusable, fused_generate, likely_acceptances
+from hf_d3d.modeling.attention_d3d import pack_blocks
+
+TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
+
+
+def _adapted(target, seed: int = 0, scale: float = 0.3, **kw) -> D3DDrafterModel:
+    """A whole-LM drafter of ``target`` whose block adapters are random (as after training: they change the blocks)."""
+    drafter = D3DDrafterModel.from_pretrained_lm(target, block_size=4, block_adapter_rank=4, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "block_adapters" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return drafter.eval()
+
+
+DRAFTERS = {fam: _adapted(t) for fam, t in TARGETS.items()}
+
+
+@settings(max_examples=30)
+@given(family=FAMILIES, prompt=prompts(12), max_new=st.integers(1, 24), hyps=st.integers(1, 4))
+def test_same_tokens_as_greedy_generate(family, prompt, max_new, hyps):
+    target = TARGETS[family]
+    x = torch.tensor([prompt])
+    want = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False)
+    got = fused_generate(target, DRAFTERS[family], x, max_new_tokens=max_new, num_hypotheses=hyps)
+    assert got.tolist() == want.tolist()
+    stats = DRAFTERS[family].last_stats
+    assert stats.committed_tokens >= got.shape[1] - x.shape[1]
+
+
+def test_stops_at_eos_like_generate():
+    target = TARGETS["llama"]
+    for seed in range(12):
+        torch.manual_seed(seed)
+        x = torch.randint(4, 96, (1, 6))
+        want = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False)
+        got = fused_generate(target, DRAFTERS["llama"], x, max_new_tokens=40, eos_token_id=EOS)
+        assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_next_draft_is_the_drafters_own(family, monkeypatch):
+    """The chain a fused pass leaves for the next round is what the drafter itself drafts in a block anchored after
+    the accepted prefix: slot 0 is the target's token, slots 0..S-2 give the S-1 tokens after it."""
+    target, drafter = TARGETS[family], DRAFTERS[family]
+    torch.manual_seed(1)
+    prompt = torch.randint(4, 96, (1, 9))
+    ids, layout = pack_blocks(prompt, 0, [prompt.shape[1] - 1], drafter.config.block_size, fill_id=0)
+    with torch.no_grad():
+        own = drafter(ids, layout=layout, use_cache=False).logits[0, prompt.shape[1] :].argmax(-1).tolist()
+    drafts = []
+    real = fused.verify_greedy
+
+    def spy(draft, logits):
+        drafts.append(draft.tolist())
+        return real(draft, logits)
+
+    monkeypatch.setattr(fused, "verify_greedy", spy)
+    out = fused_generate(target, drafter, prompt, max_new_tokens=10, num_hypotheses=1)
+    assert out[0, prompt.shape[1]].item() == own[0]  # the shift: slot 0 is the target's own next token
+    assert drafts[0] == [] and drafts[1] == own[1:]  # the first pass prefills and drafts; the second verifies it
+
+
+def test_likely_acceptances():
+    assert likely_acceptances([], 3) == [0]
+    assert likely_acceptances([0.9, 0.9, 0.9], 1) == [3]  # 0.73 for all three
+    assert likely_acceptances([0.1, 0.9], 2) == [0, 2]  # 0.9 for none, 0.09 for both, 0.01 for one
+    assert likely_acceptances([0.5, 0.5], 5) == [0, 1, 2]
+
+
+def test_refuses_drafters_it_cannot_fuse():
+    target = TARGETS["llama"]
+    x = torch.tensor([[5, 6, 7]])
+    small = D3DDrafterModel.from_target(target, num_hidden_layers=2, block_size=4)
+    with pytest.raises(ValueError, match="whole LM|keeps target layers"):
+        fused_generate(target, small, x)
+    other = _adapted(tiny_target("llama", seed=3))
+    assert "differ" in fusable(target, other)
+    with pytest.raises(ValueError, match="base weights differ"):
+        fused_generate(target, other, x)
+    no_adapters = D3DDrafterModel.from_pretrained_lm(target, block_size=4)
+    with pytest.raises(ValueError, match="block adapters"):
+        fused_generate(target, no_adapters, x)
+    with pytest.raises(ValueError, match="batch size 1"):
+        fused_generate(target, DRAFTERS["llama"], torch.tensor([[5, 6], [7, 8]]))
+
+
+def test_hooks_are_removed():
+    target = TARGETS["qwen3"]
+    x = torch.tensor([[5, 6, 7, 8]])
+    before = target(x).logits
+    fused_generate(target, DRAFTERS["qwen3"], x, max_new_tokens=5)
+    torch.testing.assert_close(target(x).logits, before, rtol=0, atol=0)
+
+
+def test_bench_runs_the_fused_path():
+    from hf_d3d import bench
+
+    target = TARGETS["llama"]
+    result = bench.run_bench(target, DRAFTERS["llama"], [[5, 6, 7], [8, 9, 10, 11]], ["d3d_fused"], max_new_tokens=12)
+    fused_row = result["methods"]["d3d_fused"]
+    assert fused_row["identical_to_plain"]
+    assert 1.0 <= fused_row["tau"] <= DRAFTERS["llama"].config.block_size  # tokens per target forward, counted
