@@ -16,7 +16,7 @@ Greedy decoding, batch size 1, a dynamic cache. :func:`fusable` says whether a d
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from hf_d3d.exact import is_exact
 from hf_d3d.modeling.attention_d3d import d3d_attention_mask, pack_blocks
 from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.modeling.generation_d3d import D3DStats
+from hf_d3d.speculative import _eos_set, _until_stop
 from hf_d3d.verify import verify_greedy
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -87,12 +88,12 @@ def _adapters_on(target: PreTrainedModel, drafter: PreTrainedModel, rows: dict) 
 
     def hook_for(adapter):
         down = adapter.down.weight.detach().to(dtype)
-        up = adapter.up.detach().to(dtype)
+        up_t = adapter.up.detach().to(dtype).t()
 
         def hook(module, args, out):
             n = rows["from"]
             if n is not None and out.shape[1] > n:  # batch size 1: 2-D rows keep these matmuls plain mm calls
-                out[0, n:] += F.linear(F.linear(args[0][0, n:], down), up)
+                out[0, n:].addmm_(F.linear(args[0][0, n:], down), up_t)
             return out
 
         return hook
@@ -124,12 +125,17 @@ def fused_generate(
     max_new_tokens: int = 128,
     eos_token_id: int | list[int] | None = None,
     num_hypotheses: int | None = None,
+    stopping_criteria=None,
+    streamer=None,
+    on_round: Callable[[list[int], int, list[int]], None] | None = None,
 ) -> torch.LongTensor:
     """Greedy decode of ``target`` whose rounds each cost one target forward (see the module); returns prompt + new
     tokens ``[1, n]``, the tokens ``target.generate(do_sample=False)`` returns. ``eos_token_id`` defaults to the
     target's generation config. ``num_hypotheses``: blocks per pass, anchored after the most likely accepted
-    prefixes (default: every prefix on an accelerator, 2 on a CPU, where each block's rows cost compute). Statistics
-    in ``drafter.last_stats`` (``hits``: passes whose accepted prefix had a block)."""
+    prefixes (default: every prefix on an accelerator, 2 on a CPU, where each block's rows cost compute).
+    ``stopping_criteria``, ``streamer`` and ``on_round(draft, accepted, committed)`` as in
+    :func:`hf_d3d.speculative_generate`. Statistics in ``drafter.last_stats`` (``hits``: passes whose accepted
+    prefix had a block)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"fused_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
@@ -142,7 +148,7 @@ def fused_generate(
         raise ValueError("fused_generate passes a D3D mask to the target: it needs sdpa or eager attention")
     if eos_token_id is None and target.generation_config is not None:
         eos_token_id = target.generation_config.eos_token_id
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    eos = _eos_set(eos_token_id)
     size = drafter.config.block_size
     per_round = min(size - 1, int(getattr(drafter.generation_config, "num_assistant_tokens", 0) or size))
     device = target.device
@@ -156,6 +162,8 @@ def fused_generate(
     stats = drafter.last_stats = D3DStats()
 
     seq = input_ids.to(device)
+    if streamer is not None:
+        streamer.put(seq.cpu())
     limit = seq.shape[1] + max_new_tokens
     cache, cached = DynamicCache(), 0
     draft: list[int] = []
@@ -184,29 +192,34 @@ def fused_generate(
             ).logits[0]
             hidden = rows["hidden"][0]
             accepted, token = verify_greedy(torch.tensor(draft, device=device, dtype=torch.long), logits)
+            new, stop = _until_stop(seq, (draft[:accepted] + [token])[: limit - seq.shape[1]], eos, stopping_criteria)
             stats.rounds += 1
             stats.drafted_tokens += len(draft)
-            new = draft[:accepted] + [token]
-            stats.record(accepted, len(new))
+            stats.record(min(accepted, len(new)), len(new))
+            if on_round is not None:
+                on_round(draft, min(accepted, len(new)), new)
             cached += pending.shape[1] + accepted
             cache.crop(cached - cache.get_seq_length())  # drop the rejected drafts' and the blocks' keys
-            if accepted in hyps:
+            seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], dim=1)
+            if streamer is not None:
+                streamer.put(torch.tensor(new))
+            if stop:
+                break
+            if accepted in hyps:  # the block anchored after the accepted prefix holds the next chain
                 stats.hits += draft != []
                 start = layout.num_context + hyps.index(accepted) * size
                 logits = F.linear(hidden[start : start + per_round], draft_head)
                 picks = logits.argmax(-1)
                 if num_hypotheses <= per_round:  # the draft's own confidence ranks the next pass's hypotheses
                     confidence = logits.float().softmax(-1).gather(-1, picks[:, None])[:, 0].tolist()
-                picks = picks if draft_vocab is None else draft_vocab[picks]
-                draft = picks.tolist()
+                else:
+                    confidence = [1.0] * per_round
+                draft = (picks if draft_vocab is None else draft_vocab[picks]).tolist()
             else:
                 stats.misses += 1
                 draft, confidence = [], []
-            stop = next((i for i, t in enumerate(new) if t in eos), None)
-            new = new[: None if stop is None else stop + 1][: limit - seq.shape[1]]
-            seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], dim=1)
-            if stop is not None:
-                break
-            draft = draft[: limit - seq.shape[1] - 1] if limit - seq.shape[1] > 1 else []
-            confidence = confidence[: len(draft)] if num_hypotheses <= per_round else [1.0] * len(draft)
+            room = max(limit - seq.shape[1] - 1, 0)  # a round commits its accepted drafts and one more token
+            draft, confidence = draft[:room], confidence[:room]
+    if streamer is not None:
+        streamer.end()
     return seq

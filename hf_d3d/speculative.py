@@ -207,6 +207,7 @@ def speculative_generate(
     async_drafting: bool | None = None,
     tree: bool | None = None,
     skinny: bool | None = None,
+    fused: bool = False,
     **kwargs,
 ) -> torch.LongTensor:
     """Decode with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``, the tokens
@@ -223,6 +224,8 @@ def speculative_generate(
     ``tree``: verify draft trees (greedy; the default where the target supports them and drafting is in sync) or
     chains (False). ``skinny``: compute few-row linears (the target's verify forwards, the drafter's blocks) as
     :func:`hf_d3d.skinny_linears` does (default: fp32 targets on CPU, unless verification is exact).
+    ``fused``: for a drafter that is the target plus block adapters, one target forward per round verifies the
+    draft and drafts the next chain (:func:`hf_d3d.fused_generate`; greedy, dynamic cache).
     """
     config = copy.deepcopy(generation_config or target.generation_config or GenerationConfig())
     unknown = config.update(**kwargs)
@@ -230,6 +233,21 @@ def speculative_generate(
         raise TypeError(f"speculative_generate got unexpected arguments {sorted(unknown)}")
     if max_new_tokens is None:
         max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else 128
+    if fused:
+        return _fused(
+            target,
+            drafter,
+            input_ids,
+            config,
+            max_new_tokens,
+            attention_mask,
+            logits_processor,
+            async_drafting,
+            tree,
+            stopping_criteria,
+            streamer,
+            on_round,
+        )
     plan = _plan(
         target,
         drafter,
@@ -252,6 +270,48 @@ def speculative_generate(
     if streamer is not None:
         streamer.end()
     return seq
+
+
+def _fused(
+    target,
+    drafter,
+    input_ids,
+    config,
+    max_new_tokens,
+    attention_mask,
+    logits_processor,
+    async_drafting,
+    tree,
+    stopping_criteria,
+    streamer,
+    on_round,
+) -> torch.LongTensor:
+    """speculative_generate(fused=True): refuse what the fused rounds do not do, then run them."""
+    from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
+
+    procs = logits_processor if logits_processor is not None else _warpers(config)
+    refused = {
+        "sampling (do_sample=True)": bool(config.do_sample),
+        "logits processors": len(procs) > 0,
+        "draft trees (tree=True)": bool(tree),
+        "async drafting": bool(async_drafting),
+        "a static cache": (config.cache_implementation or "dynamic") != "dynamic",
+        "beam search": config.num_beams not in (None, 1),
+        "padded inputs": attention_mask is not None and not bool(attention_mask.all()),
+    }
+    asked = [name for name, on in refused.items() if on]
+    if asked:
+        raise ValueError(f"fused=True decodes greedily over a dynamic cache; it does not support {', '.join(asked)}")
+    return fused_generate(
+        target,
+        drafter,
+        input_ids,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=config.eos_token_id if config.eos_token_id is not None else [],  # None: EOS ignored
+        stopping_criteria=stopping_criteria,
+        streamer=streamer,
+        on_round=on_round,
+    )
 
 
 def _decode(target, plan: _Plan, seq, limit, stopping_criteria, generator, on_round, streamer) -> torch.LongTensor:
@@ -375,9 +435,11 @@ def d3d_generate(
     stopping_criteria,
     generation_config,
     drafter: PreTrainedModel = None,
+    fused: bool = False,
     **model_kwargs,
 ) -> torch.LongTensor:
-    """``custom_generate`` entry: ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``."""
+    """``custom_generate`` entry: ``target.generate(**inputs, custom_generate=d3d_generate, drafter=drafter)``;
+    ``fused=True`` as in :func:`speculative_generate`."""
     if drafter is None:
         raise ValueError("custom_generate=d3d_generate needs drafter=<a D3D drafter>")
     if generation_config.return_dict_in_generate:
@@ -392,6 +454,7 @@ def d3d_generate(
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
         cache_implementation=_cache_kind(generation_config.cache_implementation),
+        fused=fused,
     )
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import EOS, FAMILIES, prompts, tiny_target
-from hf_d3d import D3DDrafterModel, fused
+from hf_d3d import D3DDrafterModel, d3d_generate, fused, speculative_generate
 from hf_d3d.fused import fusable, fused_generate, likely_acceptances
 from hf_d3d.modeling.attention_d3d import pack_blocks
 
@@ -115,3 +115,59 @@ def test_bench_runs_the_fused_path():
     fused_row = result["methods"]["d3d_fused"]
     assert fused_row["identical_to_plain"]
     assert 1.0 <= fused_row["tau"] <= DRAFTERS["llama"].config.block_size  # tokens per target forward, counted
+
+
+def test_the_fast_loop_and_generate_run_it_with_fused_true():
+    target, drafter = TARGETS["qwen3"], DRAFTERS["qwen3"]
+    x = torch.tensor([[5, 17, 33, 8, 9]])
+    want = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False)
+    rounds = []
+    got = speculative_generate(target, drafter, x, max_new_tokens=20, fused=True, on_round=lambda *a: rounds.append(a))
+    assert got.tolist() == want.tolist()
+    assert sum(len(new) for _, _, new in rounds) == got.shape[1] - x.shape[1]
+    assert all(new[:accepted] == draft[:accepted] for draft, accepted, new in rounds)
+    via_generate = target.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=20,
+        do_sample=False,
+        custom_generate=d3d_generate,
+        drafter=drafter,
+        fused=True,
+    )
+    assert via_generate.tolist() == want.tolist()
+    assert drafter.last_stats.rounds == len(rounds)  # the fused rounds ran, not the two-pass loop
+
+
+def test_fused_true_refuses_what_it_does_not_do():
+    target, drafter = TARGETS["llama"], DRAFTERS["llama"]
+    x = torch.tensor([[5, 6, 7]])
+    for kwargs, what in [
+        (dict(do_sample=True), "sampling"),
+        (dict(tree=True), "draft trees"),
+        (dict(cache_implementation="static"), "static cache"),
+        (dict(repetition_penalty=1.3), "repetition_penalty"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            speculative_generate(target, drafter, x, max_new_tokens=4, fused=True, **kwargs)
+
+
+def test_fused_streams_and_ignores_eos_when_told():
+    target, drafter = TARGETS["llama"], DRAFTERS["llama"]
+    x = torch.tensor([[5, 6, 7, 40]])
+
+    class Collect:
+        def __init__(self):
+            self.parts, self.ended = [], False
+
+        def put(self, t):
+            self.parts.append(t.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    out = speculative_generate(target, drafter, x, max_new_tokens=30, fused=True, eos_token_id=None, streamer=streamer)
+    want = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    assert out.tolist() == want.tolist() and out.shape[1] == x.shape[1] + 30
+    assert [t for part in streamer.parts for t in part] == out[0].tolist() and streamer.ended
