@@ -15,8 +15,7 @@ Greedy decoding, batch size 1, a dynamic cache. :func:`fusable` says whether a d
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,40 +80,75 @@ def likely_acceptances(confidence: list[float], budget: int) -> list[int]:
     return sorted(sorted(range(len(probs)), key=lambda j: -probs[j])[: max(budget, 1)])
 
 
-@contextlib.contextmanager
-def _adapters_on(target: PreTrainedModel, drafter: PreTrainedModel, rows: dict) -> Iterator[None]:
-    """Add the drafter's block adapters to the target's projections, for the rows from ``rows["from"]`` on, and
-    keep the decoder's output in ``rows["hidden"]``."""
+class FusedPass:
+    """One target forward over context tokens and draft blocks: the target's own rows for the context, the drafter's
+    adapters added to the block rows. A context manager: the adapter hooks live on the target inside ``with``."""
 
-    def hook_for(adapter):
-        down = adapter.down.weight.detach().to(dtype)
-        up_t = adapter.up.detach().to(dtype).t()
+    def __init__(self, target: PreTrainedModel, drafter: PreTrainedModel):
+        self.target, self.drafter = target, drafter
+        self.size = drafter.config.block_size
+        self.mask_vector = drafter.model.mask_vector().detach().to(target.device, target.dtype)
+        self.block_from: int | None = None  # rows from here on are block rows (None: a plain forward)
+        self.hidden: torch.Tensor | None = None
+        self._handles: list = []
+
+    def _adapter_hook(self, adapter):
+        down = adapter.down.weight.detach().to(self.target.dtype)
+        up_t = adapter.up.detach().to(self.target.dtype).t()
 
         def hook(module, args, out):
-            n = rows["from"]
+            n = self.block_from
             if n is not None and out.shape[1] > n:  # batch size 1: 2-D rows keep these matmuls plain mm calls
                 out[0, n:].addmm_(F.linear(args[0][0, n:], down), up_t)
             return out
 
         return hook
 
-    def keep_hidden(module, args, out):  # the normed last hidden states: the block rows' drafts are read from them
-        rows["hidden"] = out.last_hidden_state
+    def _keep_hidden(self, module, args, out) -> None:  # normed last hidden states: the blocks' drafts read them
+        self.hidden = out.last_hidden_state
 
-    dtype = target.dtype
-    handles = []
-    try:
-        for mine, theirs in zip(drafter.model.layers, target.get_decoder().layers):
+    def __enter__(self) -> FusedPass:
+        decoder = self.target.get_decoder()
+        for mine, theirs in zip(self.drafter.model.layers, decoder.layers):
             for part, names in (("self_attn", _ATTN), ("mlp", _MLP)):
                 adapters = getattr(mine, part).block_adapters
                 for name in names if adapters is not None else ():
                     module = getattr(getattr(theirs, part), name)
-                    handles.append(module.register_forward_hook(hook_for(adapters[name])))
-        handles.append(target.get_decoder().register_forward_hook(keep_hidden))
-        yield
-    finally:
-        for h in handles:
+                    self._handles.append(module.register_forward_hook(self._adapter_hook(adapters[name])))
+        self._handles.append(decoder.register_forward_hook(self._keep_hidden))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
             h.remove()
+        self._handles.clear()
+
+    def __call__(
+        self, cache: DynamicCache, cached: int, context: torch.LongTensor, verify_from: int, anchors: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``context`` (``[1, n]``, after ``cached`` cached positions) and one block anchored after each of its
+        rows ``anchors`` (offsets into ``context``). Returns the target's logits for rows ``verify_from`` to
+        ``n - 1`` and the blocks' last hidden states ``[len(anchors), block_size, hidden]``. The cache then holds
+        every row of the pass; crop it to what is committed."""
+        target, device = self.target, context.device
+        ids, layout = pack_blocks(context, cached, [cached + a for a in anchors], self.size, fill_id=0)
+        x = torch.where(layout.is_slot[..., None], self.mask_vector, target.get_input_embeddings()(ids))
+        allowed = d3d_attention_mask(layout, cached)
+        mask = torch.zeros(allowed.shape, dtype=x.dtype, device=device).masked_fill(~allowed, torch.finfo(x.dtype).min)
+        n = layout.num_context
+        self.block_from = n
+        try:
+            logits = target(
+                inputs_embeds=x,
+                attention_mask=mask,
+                position_ids=layout.position_ids,
+                use_cache=True,
+                logits_to_keep=torch.arange(verify_from, n, device=device),
+                **{cache_kwarg(target): cache},
+            ).logits[0]
+        finally:
+            self.block_from = None
+        return logits, self.hidden[0, n:].view(len(anchors), self.size, -1)
 
 
 @torch.no_grad()
@@ -157,8 +191,6 @@ def fused_generate(
     draft_vocab = drafter.draft_vocab.to(device) if drafter.config.draft_vocab_size is not None else None
     head = target.get_output_embeddings().weight
     draft_head = head if draft_vocab is None else head.index_select(0, draft_vocab)
-    mask_vector = drafter.model.mask_vector().detach().to(device, target.dtype)
-    embed = target.get_input_embeddings()
     stats = drafter.last_stats = D3DStats()
 
     seq = input_ids.to(device)
@@ -168,29 +200,14 @@ def fused_generate(
     cache, cached = DynamicCache(), 0
     draft: list[int] = []
     confidence: list[float] = []
-    rows: dict = {"from": None}
-    with _adapters_on(target, drafter, rows):
+    with FusedPass(target, drafter) as run:
         while seq.shape[1] < limit:
             # Context: the tokens the cache lacks (the prompt, then the last committed token) and the draft.
             pending = seq[:, cached:]
             context = torch.cat([pending, torch.tensor([draft], device=device, dtype=seq.dtype)], dim=1)
             first = pending.shape[1] - 1  # the row whose output is the target's token after the committed text
             hyps = likely_acceptances(confidence, num_hypotheses) if draft else [0]
-            ids, layout = pack_blocks(context, cached, [cached + first + j for j in hyps], size, fill_id=0)
-            x = torch.where(layout.is_slot[..., None], mask_vector, embed(ids))
-            mask = d3d_attention_mask(layout, cached)
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=device).masked_fill(~mask, torch.finfo(x.dtype).min)
-            rows["from"] = layout.num_context
-            keep = torch.arange(first, layout.num_context, device=device)  # the verification rows
-            logits = target(
-                inputs_embeds=x,
-                attention_mask=mask,
-                position_ids=layout.position_ids,
-                use_cache=True,
-                logits_to_keep=keep,
-                **{cache_kwarg(target): cache},
-            ).logits[0]
-            hidden = rows["hidden"][0]
+            logits, blocks = run(cache, cached, context, first, [first + j for j in hyps])
             accepted, token = verify_greedy(torch.tensor(draft, device=device, dtype=torch.long), logits)
             new, stop = _until_stop(seq, (draft[:accepted] + [token])[: limit - seq.shape[1]], eos, stopping_criteria)
             stats.rounds += 1
@@ -207,8 +224,7 @@ def fused_generate(
                 break
             if accepted in hyps:  # the block anchored after the accepted prefix holds the next chain
                 stats.hits += draft != []
-                start = layout.num_context + hyps.index(accepted) * size
-                logits = F.linear(hidden[start : start + per_round], draft_head)
+                logits = F.linear(blocks[hyps.index(accepted), :per_round], draft_head)
                 picks = logits.argmax(-1)
                 if num_hypotheses <= per_round:  # the draft's own confidence ranks the next pass's hypotheses
                     confidence = logits.float().softmax(-1).gather(-1, picks[:, None])[:, 0].tolist()

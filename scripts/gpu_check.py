@@ -2,20 +2,24 @@
 
 Prints the median time of the target's verify forward alone, the drafter's packed pass alone (side stream), and
 both launched together (packed pass on the side stream while the target verifies), plus greedy equality of
-`target.generate(assistant_model=drafter)` with async drafting on, plainly and under `exact_verification`.
+`target.generate(assistant_model=drafter)` with async drafting on, plainly and under `exact_verification`; then
+the cost of a fused round (`hf_d3d.fused`: the target with rank-64 block adapters, 8 verification rows and 1-8
+blocks of 8) in decode steps, and its greedy equality.
 `--tiny` runs small shapes (also on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_d3d import D3DCandidateGenerator, D3DDrafterModel, exact_verification
+from hf_d3d import D3DCandidateGenerator, D3DDrafterModel, exact_verification, fused_generate
+from hf_d3d.fused import FusedPass
 from hf_d3d.modeling.generation_d3d import cache_kwarg
 
 
@@ -127,6 +131,46 @@ def main() -> None:
         with exact_verification(target):
             out = target.generate(prompt, assistant_model=drafter, **kw)
         print(f"greedy identical with async drafting under exact_verification: {torch.equal(ref, out)}")
+
+        # Fused rounds: a drafter that is the target plus rank-64 block adapters (the -D3D-whole shape); one target
+        # forward carries 8 verification rows and one 8-slot block per hypothesis.
+        with torch.device(device):
+            whole = D3DDrafterModel.from_pretrained_lm(target, block_size=8, block_adapter_rank=64)
+        for name, p in whole.named_parameters():
+            if "block_adapters" in name:
+                p.data.normal_(0.0, 0.02)
+        cache = DynamicCache()
+        target(x[:, :-1], **{cache_kwarg(target): cache})
+        base = cache.get_seq_length()
+        rows = x[:, -8:]  # the last committed token and 7 draft tokens
+
+        def crop():
+            cache.crop(-(cache.get_seq_length() - base))
+
+        def decode():
+            target(x[:, -1:], **{cache_kwarg(target): cache})
+            crop()
+
+        def verify8():
+            target(rows, **{cache_kwarg(target): cache})
+            crop()
+
+        with FusedPass(target, whole) as run:
+
+            def fused(h):
+                run(cache, base, rows, 0, list(range(h)))
+                crop()
+
+            for fn in (decode, verify8, lambda: fused(8)):
+                timed(fn, device, 3)
+            t_decode, t_verify8 = timed(decode, device, args.repeat), timed(verify8, device, args.repeat)
+            print(f"decode step           {t_decode:8.2f} ms")
+            print(f"verify 8 rows         {t_verify8:8.2f} ms   ({t_verify8 / t_decode:.2f} decode steps)")
+            for h in (1, 2, 4, 8):
+                t = timed(functools.partial(fused, h), device, args.repeat)
+                print(f"fused, {h} block(s)     {t:8.2f} ms   ({t / t_decode:.2f} decode steps)")
+        out = fused_generate(target, whole, prompt, max_new_tokens=48, eos_token_id=[])
+        print(f"greedy identical with fused rounds: {torch.equal(ref, out)}")
 
 
 if __name__ == "__main__":
