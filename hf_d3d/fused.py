@@ -26,6 +26,7 @@ from hf_d3d.exact import is_exact
 from hf_d3d.modeling.attention_d3d import d3d_attention_mask, pack_blocks
 from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.modeling.generation_d3d import D3DStats
+from hf_d3d.modeling.modeling_d3d import _lm_state
 from hf_d3d.speculative import _eos_set, _until_stop
 from hf_d3d.verify import verify_greedy
 
@@ -49,7 +50,8 @@ def fusable(target: PreTrainedModel, drafter: PreTrainedModel) -> str | None:
 
 
 def _base_pairs(target: PreTrainedModel, drafter: PreTrainedModel) -> list[tuple[torch.Tensor, torch.Tensor]] | str:
-    """(drafter, target) pairs of every base weight, or why the drafter has no such pairing."""
+    """(drafter, target) pairs of every weight the drafter takes from its base LM (embeddings, norms, head unless
+    tied, every layer's projections, biases and norms), or why the drafter has no such pairing."""
     cfg = drafter.config
     if not getattr(cfg, "shifted_slots", False) or not getattr(cfg, "block_adapter_rank", 0):
         return "the drafter is not a whole LM with block adapters and shifted slots (hf-d3d train --whole-lm target)"
@@ -58,14 +60,14 @@ def _base_pairs(target: PreTrainedModel, drafter: PreTrainedModel) -> list[tuple
         return f"the drafter keeps target layers {cfg.target_layer_ids}, not all {len(layers)} of them"
     if drafter.model.skip_layers:
         return "the drafter skips layers at run time"
-    pairs = [(drafter.model.embed_tokens.weight, target.get_input_embeddings().weight)]
-    pairs.append((drafter.model.norm.weight, target.get_decoder().norm.weight))
-    for mine, theirs in zip(drafter.model.layers, layers):
-        pairs += [(getattr(mine.self_attn, n).weight, getattr(theirs.self_attn, n).weight) for n in _ATTN]
-        pairs += [(getattr(mine.mlp, n).weight, getattr(theirs.mlp, n).weight) for n in _MLP]
-        pairs += [(mine.input_layernorm.weight, theirs.input_layernorm.weight)]
-        pairs += [(mine.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight)]
-    return [(m.detach(), t.detach()) for m, t in pairs]
+    mine = drafter.state_dict()
+    theirs = _lm_state(target, list(range(len(layers))), bool(cfg.tie_word_embeddings), cfg.vocab_size)
+    missing = sorted(set(theirs) - set(mine))
+    if missing:
+        return f"the drafter has no {missing[0]} (another architecture than the target's)"
+    pairs = [(mine[k].detach(), t.detach()) for k, t in theirs.items()]
+    # the target's head drafts the blocks: it must be the drafter's, tied or not
+    return pairs + [(drafter.lm_head.weight.detach(), target.get_output_embeddings().weight.detach())]
 
 
 def likely_acceptances(confidence: list[float], budget: int) -> list[int]:

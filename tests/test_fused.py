@@ -171,3 +171,17 @@ def test_fused_streams_and_ignores_eos_when_told():
     want = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False, eos_token_id=None)
     assert out.tolist() == want.tolist() and out.shape[1] == x.shape[1] + 30
     assert [t for part in streamer.parts for t in part] == out[0].tolist() and streamer.ended
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_norm.weight", "model.layers.2.mlp.up_proj.weight"])
+def test_any_changed_base_weight_is_caught(name):
+    """Adapters-only training leaves every base weight; a drafter whose norms or projections moved is another
+    model, whose context rows the target's forward would not compute."""
+    import copy
+
+    target = TARGETS["qwen3"]
+    drafter = copy.deepcopy(DRAFTERS["qwen3"])
+    assert fusable(target, drafter) is None
+    with torch.no_grad():
+        drafter.state_dict()[name].add_(1e-3)
+    assert "differ" in fusable(target, drafter)
