@@ -22,7 +22,7 @@ from hf_d3d.calibrate import synchronize
 from hf_d3d.cpu.skinny import no_skinny_linears, skinny_by_default, skinny_linears
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.exact import exact_verification
-from hf_d3d.fused import fused_generate
+from hf_d3d.fused import fusable, fused_generate
 from hf_d3d.speculative import speculative_generate
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
@@ -121,6 +121,8 @@ def run_bench(
         raise ValueError("method assisted_ar needs an autoregressive drafter (--ar-drafter)")
     if any(m.startswith("d3d") for m in methods) and drafter is None:
         raise ValueError("d3d methods need a D3D drafter")
+    if "d3d_fused" in methods and (why_not := fusable(target, drafter)):
+        raise ValueError(f"method d3d_fused needs a drafter that is its target plus block adapters: {why_not}")
     if "d3d_hub" in methods and hub_drafter is None:
         raise ValueError("method d3d_hub needs the drafter as from_pretrained(..., trust_remote_code=True) loads it")
     runners = {}

@@ -711,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default="plain,prompt_lookup,d3d_sync,d3d_async,d3d_fast",
         help="comma-separated, from plain, assisted_ar, prompt_lookup, d3d_hub (the Hub user's path), d3d_sync, "
-        "d3d_async, d3d_fast (the fast loop, draft trees when greedy), d3d_fast_chain (the fast loop, chains only)",
+        "d3d_async, d3d_fast (the fast loop, draft trees when greedy), d3d_fast_chain (the fast loop, chains only), "
+        "d3d_fused (one target forward per round; a drafter that is its target plus block adapters)",
     )
     p.add_argument("--out", required=True, help="RESULT.json (a .md table and a .png plot are written beside it)")
     p.add_argument(

@@ -185,3 +185,12 @@ def test_any_changed_base_weight_is_caught(name):
     with torch.no_grad():
         drafter.state_dict()[name].add_(1e-3)
     assert "differ" in fusable(target, drafter)
+
+
+def test_bench_refuses_the_fused_method_for_a_drafter_it_cannot_fuse():
+    from hf_d3d import bench
+
+    target = TARGETS["llama"]
+    small = D3DDrafterModel.from_target(target, num_hidden_layers=2, block_size=4)
+    with pytest.raises(ValueError, match="d3d_fused needs"):
+        bench.run_bench(target, small, [[5, 6, 7]], ["d3d_fused"], max_new_tokens=4)
