@@ -28,6 +28,7 @@ from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.modeling.generation_d3d import D3DStats
 from hf_d3d.modeling.modeling_d3d import _lm_state
 from hf_d3d.speculative import _eos_set, _until_stop
+from hf_d3d.tree import tree_unsupported
 from hf_d3d.verify import verify_greedy
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -180,8 +181,12 @@ def fused_generate(
     why_not = fusable(target, drafter)
     if why_not:
         raise ValueError(f"fused_generate needs a drafter that is its target plus block adapters: {why_not}")
-    if is_exact(target) or "flash" in str(getattr(target.config, "_attn_implementation", "")):
-        raise ValueError("fused_generate passes a D3D mask to the target: it needs sdpa or eager attention")
+    if is_exact(target):
+        raise ValueError("fused_generate runs blocks beside the verification rows: exact verification cannot run")
+    cache = DynamicCache()
+    why_not = tree_unsupported(target, cache, do_sample=False)
+    if why_not:  # the same needs as a tree's verify forward: a custom 4D mask, positions from position_ids
+        raise ValueError(f"fused_generate passes the target a custom mask, as draft trees do, and {why_not}")
     if eos_token_id is None and target.generation_config is not None:
         eos_token_id = target.generation_config.eos_token_id
     eos = _eos_set(eos_token_id)
@@ -199,7 +204,7 @@ def fused_generate(
     if streamer is not None:
         streamer.put(seq.cpu())
     limit = seq.shape[1] + max_new_tokens
-    cache, cached = DynamicCache(), 0
+    cached = 0
     draft: list[int] = []
     confidence: list[float] = []
     with FusedPass(target, drafter) as run:

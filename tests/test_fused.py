@@ -3,6 +3,8 @@ the drafter's own pass, and a clear refusal of drafters it cannot fuse."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -177,8 +179,6 @@ def test_fused_streams_and_ignores_eos_when_told():
 def test_any_changed_base_weight_is_caught(name):
     """Adapters-only training leaves every base weight; a drafter whose norms or projections moved is another
     model, whose context rows the target's forward would not compute."""
-    import copy
-
     target = TARGETS["qwen3"]
     drafter = copy.deepcopy(DRAFTERS["qwen3"])
     assert fusable(target, drafter) is None
@@ -194,3 +194,17 @@ def test_bench_refuses_the_fused_method_for_a_drafter_it_cannot_fuse():
     small = D3DDrafterModel.from_target(target, num_hidden_layers=2, block_size=4)
     with pytest.raises(ValueError, match="d3d_fused needs"):
         bench.run_bench(target, small, [[5, 6, 7]], ["d3d_fused"], max_new_tokens=4)
+
+
+def test_refuses_targets_a_custom_mask_cannot_serve():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    flash_like = copy.deepcopy(TARGETS["llama"])
+    flash_like.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="custom mask"):
+        fused_generate(flash_like, DRAFTERS["llama"], torch.tensor([[5, 6, 7]]))
+    windowed = LlamaForCausalLM(LlamaConfig(**TARGETS["llama"].config.to_dict())).eval()
+    windowed.load_state_dict(TARGETS["llama"].state_dict())
+    windowed.config.sliding_window = 4
+    with pytest.raises(ValueError, match="full-attention"):
+        fused_generate(windowed, DRAFTERS["llama"], torch.tensor([[5, 6, 7]]))
