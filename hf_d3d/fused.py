@@ -15,6 +15,7 @@ Greedy decoding, batch size 1, a dynamic cache. :func:`fusable` says whether a d
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -42,7 +43,7 @@ def fusable(target: PreTrainedModel, drafter: PreTrainedModel) -> str | None:
     pairs = _base_pairs(target, drafter)
     if isinstance(pairs, str):
         return pairs
-    key = (id(target), tuple((t.data_ptr(), t._version) for pair in pairs for t in pair))
+    key = (id(target), tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for pair in pairs for t in pair))
     kept = getattr(drafter, "_fusable", None)
     if kept is None or kept[0] != key:
         same = all(m.shape == t.shape and torch.equal(m, t.to(m.device, m.dtype)) for m, t in pairs)
@@ -71,6 +72,24 @@ def _base_pairs(target: PreTrainedModel, drafter: PreTrainedModel) -> list[tuple
     return pairs + [(drafter.lm_head.weight.detach(), target.get_output_embeddings().weight.detach())]
 
 
+def draft_from(
+    hidden: torch.Tensor, head: torch.Tensor, draft_vocab: torch.Tensor | None, ranked: bool
+) -> tuple[list[int], list[float]]:
+    """The greedy chain a block's slot rows ``hidden`` propose through ``head`` (rows of the draft vocabulary, if
+    any), and each token's probability under the drafter where ``ranked`` (else 1.0)."""
+    logits = F.linear(hidden, head)
+    picks = logits.argmax(-1)
+    confidence = logits.float().softmax(-1).gather(-1, picks[:, None])[:, 0].tolist() if ranked else None
+    draft = (picks if draft_vocab is None else draft_vocab[picks]).tolist()
+    return draft, confidence if confidence is not None else [1.0] * len(draft)
+
+
+def _crop(cache: DynamicCache, keep: int) -> None:
+    """Drop cached positions from ``keep`` on (the rejected drafts' and the blocks' keys)."""
+    if cache.get_seq_length() > keep:
+        cache.crop(keep - cache.get_seq_length())
+
+
 def likely_acceptances(confidence: list[float], budget: int) -> list[int]:
     """The ``budget`` most likely accepted-prefix lengths of a greedy draft whose token i is right with probability
     ``confidence[i]`` (the drafter's own): P(exactly j accepted) = c_1 ... c_j (1 - c_{j+1}), and all k accepted
@@ -92,16 +111,23 @@ class FusedPass:
         self.size = drafter.config.block_size
         self.mask_vector = drafter.model.mask_vector().detach().to(target.device, target.dtype)
         self.block_from: int | None = None  # rows from here on are block rows (None: a plain forward)
+        self.fired = 0  # adapter hooks run by the last pass
         self.hidden: torch.Tensor | None = None
         self._handles: list = []
 
-    def _adapter_hook(self, adapter):
-        down = adapter.down.weight.detach().to(self.target.dtype)
-        up_t = adapter.up.detach().to(self.target.dtype).t()
+    def _adapter_hook(self, adapter, module: torch.nn.Module):
+        device, dtype = module.weight.device, module.weight.dtype
+        down = adapter.down.weight.detach().to(device, dtype)
+        up_t = adapter.up.detach().to(device, dtype).t()
 
         def hook(module, args, out):
             n = self.block_from
-            if n is not None and out.shape[1] > n:  # batch size 1: 2-D rows keep these matmuls plain mm calls
+            if n is None:
+                return out
+            if out.dim() != 3 or args[0].shape[:2] != out.shape[:2]:
+                raise ValueError(f"fused rounds need projections applied to [batch, rows, features]; got {out.shape}")
+            self.fired += 1
+            if out.shape[1] > n:  # batch size 1: 2-D rows keep these matmuls plain mm calls
                 out[0, n:].addmm_(F.linear(args[0][0, n:], down), up_t)
             return out
 
@@ -117,7 +143,7 @@ class FusedPass:
                 adapters = getattr(mine, part).block_adapters
                 for name in names if adapters is not None else ():
                     module = getattr(getattr(theirs, part), name)
-                    self._handles.append(module.register_forward_hook(self._adapter_hook(adapters[name])))
+                    self._handles.append(module.register_forward_hook(self._adapter_hook(adapters[name], module)))
         self._handles.append(decoder.register_forward_hook(self._keep_hidden))
         return self
 
@@ -139,7 +165,7 @@ class FusedPass:
         allowed = d3d_attention_mask(layout, cached)
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=device).masked_fill(~allowed, torch.finfo(x.dtype).min)
         n = layout.num_context
-        self.block_from = n
+        self.block_from, self.fired = n, 0
         try:
             logits = target(
                 inputs_embeds=x,
@@ -151,6 +177,10 @@ class FusedPass:
             ).logits[0]
         finally:
             self.block_from = None
+        if self.fired != len(self._handles) - 1:  # a kernel that bypasses a projection module skips its adapter
+            raise ValueError(
+                f"{self.fired} of {len(self._handles) - 1} adapted projections ran in the target's forward"
+            )
         return logits, self.hidden[0, n:].view(len(anchors), self.size, -1)
 
 
@@ -181,6 +211,11 @@ def fused_generate(
     why_not = fusable(target, drafter)
     if why_not:
         raise ValueError(f"fused_generate needs a drafter that is its target plus block adapters: {why_not}")
+    devices = set((getattr(target, "hf_device_map", None) or {}).values())
+    if len(devices) > 1 or devices & {"disk", "meta"}:
+        raise ValueError(f"fused_generate runs a target on one device; this one is dispatched over {sorted(devices)}")
+    if "logits_to_keep" not in inspect.signature(target.forward).parameters:
+        raise ValueError("fused_generate needs a target whose forward takes logits_to_keep (its verification rows)")
     if is_exact(target):
         raise ValueError("fused_generate runs blocks beside the verification rows: exact verification cannot run")
     cache = DynamicCache()
@@ -204,7 +239,9 @@ def fused_generate(
     if streamer is not None:
         streamer.put(seq.cpu())
     limit = seq.shape[1] + max_new_tokens
-    cached = 0
+    cached = seq.shape[1] - 1
+    if cached and max_new_tokens:  # the prompt but its last token, plainly: no dense custom mask over a long prompt
+        target(seq[:, :cached], use_cache=True, logits_to_keep=1, **{cache_kwarg(target): cache})
     draft: list[int] = []
     confidence: list[float] = []
     with FusedPass(target, drafter) as run:
@@ -223,7 +260,7 @@ def fused_generate(
             if on_round is not None:
                 on_round(draft, min(accepted, len(new)), new)
             cached += pending.shape[1] + accepted
-            cache.crop(cached - cache.get_seq_length())  # drop the rejected drafts' and the blocks' keys
+            _crop(cache, cached)
             seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], dim=1)
             if streamer is not None:
                 streamer.put(torch.tensor(new))
@@ -231,13 +268,11 @@ def fused_generate(
                 break
             if accepted in hyps:  # the block anchored after the accepted prefix holds the next chain
                 stats.hits += draft != []
-                logits = F.linear(blocks[hyps.index(accepted), :per_round], draft_head)
-                picks = logits.argmax(-1)
-                if num_hypotheses <= per_round:  # the draft's own confidence ranks the next pass's hypotheses
-                    confidence = logits.float().softmax(-1).gather(-1, picks[:, None])[:, 0].tolist()
-                else:
-                    confidence = [1.0] * per_round
-                draft = (picks if draft_vocab is None else draft_vocab[picks]).tolist()
+                # the draft's own confidence ranks the next pass's hypotheses, where they do not cover every prefix
+                ranked = num_hypotheses <= per_round
+                draft, confidence = draft_from(
+                    blocks[hyps.index(accepted), :per_round], draft_head, draft_vocab, ranked
+                )
             else:
                 stats.misses += 1
                 draft, confidence = [], []

@@ -145,7 +145,8 @@ def main() -> None:
         rows = x[:, -8:]  # the last committed token and 7 draft tokens
 
         def crop():
-            cache.crop(-(cache.get_seq_length() - base))
+            if cache.get_seq_length() > base:  # crop(0) would empty the cache
+                cache.crop(base - cache.get_seq_length())
 
         def decode():
             target(x[:, -1:], **{cache_kwarg(target): cache})
@@ -170,7 +171,8 @@ def main() -> None:
                 t = timed(functools.partial(fused, h), device, args.repeat)
                 print(f"fused, {h} block(s)     {t:8.2f} ms   ({t / t_decode:.2f} decode steps)")
         out = fused_generate(target, whole, prompt, max_new_tokens=48, eos_token_id=[])
-        print(f"greedy identical with fused rounds: {torch.equal(ref, out)}")
+        # bf16: near-ties can flip between a batched forward and decode steps, as for the async check above
+        print(f"greedy identical with fused rounds (bf16, not exact; see above): {torch.equal(ref, out)}")
 
 
 if __name__ == "__main__":

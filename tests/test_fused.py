@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import DynamicCache
 
 from conftest import EOS, FAMILIES, prompts, tiny_target
 from hf_d3d import D3DDrafterModel, d3d_generate, fused, speculative_generate
@@ -55,26 +56,32 @@ def test_stops_at_eos_like_generate():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_next_draft_is_the_drafters_own(family, monkeypatch):
-    """The chain a fused pass leaves for the next round is what the drafter itself drafts in a block anchored after
-    the accepted prefix: slot 0 is the target's token, slots 0..S-2 give the S-1 tokens after it."""
+@pytest.mark.parametrize("hyps", [1, 4])
+def test_every_draft_is_the_drafters_own(family, hyps):
+    """Each round's draft is what the drafter itself drafts in a block anchored after the text before the target's
+    last token: slot 0 sits where that token goes, slots 0..S-2 give the S-1 tokens after it."""
     target, drafter = TARGETS[family], DRAFTERS[family]
     torch.manual_seed(1)
     prompt = torch.randint(4, 96, (1, 9))
-    ids, layout = pack_blocks(prompt, 0, [prompt.shape[1] - 1], drafter.config.block_size, fill_id=0)
-    with torch.no_grad():
-        own = drafter(ids, layout=layout, use_cache=False).logits[0, prompt.shape[1] :].argmax(-1).tolist()
-    drafts = []
-    real = fused.verify_greedy
+    rounds, text = [], prompt[0].tolist()
 
-    def spy(draft, logits):
-        drafts.append(draft.tolist())
-        return real(draft, logits)
+    def on_round(draft, accepted, new):
+        rounds.append((list(text), list(draft)))
+        text.extend(new)
 
-    monkeypatch.setattr(fused, "verify_greedy", spy)
-    out = fused_generate(target, drafter, prompt, max_new_tokens=10, num_hypotheses=1)
-    assert out[0, prompt.shape[1]].item() == own[0]  # the shift: slot 0 is the target's own next token
-    assert drafts[0] == [] and drafts[1] == own[1:]  # the first pass prefills and drafts; the second verifies it
+    fused_generate(target, drafter, prompt, max_new_tokens=24, num_hypotheses=hyps, eos_token_id=[], on_round=on_round)
+    checked = 0
+    for before, draft in rounds:
+        if not draft:
+            continue
+        prefix = torch.tensor([before[:-1]])  # the block was anchored at the token before the last committed one
+        ids, layout = pack_blocks(prefix, 0, [prefix.shape[1] - 1], drafter.config.block_size, fill_id=0)
+        with torch.no_grad():
+            own = drafter(ids, layout=layout, use_cache=False).logits[0, prefix.shape[1] :].argmax(-1).tolist()
+        assert own[0] == before[-1]  # the shift: slot 0 is the target's own token
+        assert draft == own[1 : 1 + len(draft)]
+        checked += 1
+    assert checked >= 3
 
 
 def test_likely_acceptances():
@@ -116,7 +123,9 @@ def test_bench_runs_the_fused_path():
     result = bench.run_bench(target, DRAFTERS["llama"], [[5, 6, 7], [8, 9, 10, 11]], ["d3d_fused"], max_new_tokens=12)
     fused_row = result["methods"]["d3d_fused"]
     assert fused_row["identical_to_plain"]
-    assert 1.0 <= fused_row["tau"] <= DRAFTERS["llama"].config.block_size  # tokens per target forward, counted
+    last = result["records"]["d3d_fused"][-1]
+    # every target forward is counted: the prompt's prefill and one per fused round
+    assert last["target_forwards"] == DRAFTERS["llama"].last_stats.rounds + 1
 
 
 def test_the_fast_loop_and_generate_run_it_with_fused_true():
@@ -208,3 +217,134 @@ def test_refuses_targets_a_custom_mask_cannot_serve():
     windowed.config.sliding_window = 4
     with pytest.raises(ValueError, match="full-attention"):
         fused_generate(windowed, DRAFTERS["llama"], torch.tensor([[5, 6, 7]]))
+
+
+@settings(max_examples=20)
+@given(family=FAMILIES, prompt=prompts(10), draft=st.lists(st.integers(4, 95), min_size=1, max_size=3), data=st.data())
+def test_a_fused_pass_is_the_targets_forward_and_the_drafters_blocks(family, prompt, draft, data):
+    """Verification rows give the target's own logits; the block anchored after context row j gives what the drafter
+    itself drafts after the text up to that row (positions, mask and anchors all agree)."""
+    target, drafter = TARGETS[family], DRAFTERS[family]
+    text = prompt + draft
+    cached = data.draw(st.integers(0, len(prompt) - 1))
+    anchors = sorted(data.draw(st.sets(st.integers(0, len(text) - cached - 1), min_size=1, max_size=3)))
+    cache = DynamicCache()
+    with torch.no_grad():
+        if cached:
+            target(torch.tensor([text[:cached]]), cache=cache)
+        with fused.FusedPass(target, drafter) as run:
+            logits, blocks = run(cache, cached, torch.tensor([text[cached:]]), 0, anchors)
+        want = target(torch.tensor([text])).logits[0, cached:]
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+        size = drafter.config.block_size
+        for i, a in enumerate(anchors):
+            prefix = torch.tensor([text[: cached + a + 1]])
+            ids, layout = pack_blocks(prefix, 0, [prefix.shape[1] - 1], size, fill_id=0)
+            own = drafter(ids, layout=layout, use_cache=False).logits[0, prefix.shape[1] :]
+            mine = torch.nn.functional.linear(blocks[i], target.get_output_embeddings().weight)
+            # slot s + 1 of the drafter's own block reads the row of slot s (the shift)
+            torch.testing.assert_close(mine[: size - 1], own[1:], rtol=1e-4, atol=1e-4)
+
+
+def _oracle(monkeypatch, target, x, max_new, eos, corrupt, seed):
+    """Make fused_generate draft the target's own greedy continuation, with some tokens corrupted, so rounds accept
+    runs of every length: the loop's bookkeeping (accepted runs, cache crops, EOS and limits inside a run) is what
+    is tested. Returns the on_round callback that tells the oracle where decoding stands."""
+    ref = target.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=max_new + 16, do_sample=False, eos_token_id=None
+    )[0].tolist()
+    rng = torch.Generator().manual_seed(seed)
+    state = {"len": x.shape[1]}
+
+    def draft_from(hidden, head, draft_vocab, ranked):
+        chain = ref[state["len"] : state["len"] + hidden.shape[0]]
+        chain = [(t + 1) % 96 if torch.rand((), generator=rng) < corrupt else t for t in chain]
+        return chain, torch.rand(len(chain), generator=rng).tolist()
+
+    def on_round(draft, accepted, new):
+        assert new[:accepted] == draft[:accepted]
+        state["len"] += len(new)
+
+    monkeypatch.setattr(fused, "draft_from", draft_from)
+    return on_round
+
+
+@settings(max_examples=30)
+@given(
+    family=FAMILIES,
+    prompt=prompts(8),
+    max_new=st.integers(1, 30),
+    hyps=st.integers(1, 4),
+    corrupt=st.sampled_from([0.0, 0.1, 0.4]),
+    seed=st.integers(0, 99),
+    with_eos=st.booleans(),
+)
+def test_runs_of_accepted_drafts_give_greedy_tokens(family, prompt, max_new, hyps, corrupt, seed, with_eos):
+    target = TARGETS[family]
+    x = torch.tensor([prompt])
+    eos = EOS if with_eos else None
+    with pytest.MonkeyPatch.context() as mp:
+        on_round = _oracle(mp, target, x, max_new, eos, corrupt, seed)
+        got = fused_generate(
+            target,
+            DRAFTERS[family],
+            x,
+            max_new_tokens=max_new,
+            num_hypotheses=hyps,
+            eos_token_id=eos if with_eos else [],
+            on_round=on_round,
+        )
+    want = target.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False, eos_token_id=eos
+    )
+    assert got.tolist() == want.tolist()
+    stats = DRAFTERS[family].last_stats
+    if corrupt == 0.0 and max_new > 8:
+        assert max(stats.acceptance_lengths) >= 2  # whole runs were accepted and committed
+
+
+def test_eos_inside_an_accepted_run(monkeypatch):
+    """A prompt whose greedy continuation reaches EOS: the oracle drafts through it, so EOS arrives mid-run."""
+    target = TARGETS["llama"]
+    for seed in range(200):
+        torch.manual_seed(seed)
+        x = torch.randint(4, 96, (1, 5))
+        want = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False)
+        if want[0, -1].item() == EOS and want.shape[1] - x.shape[1] >= 3:
+            break
+    else:
+        pytest.skip("no seed reaches EOS")
+    on_round = _oracle(monkeypatch, target, x, 40, EOS, 0.0, 0)
+    got = fused_generate(target, DRAFTERS["llama"], x, max_new_tokens=40, eos_token_id=EOS, on_round=on_round)
+    assert got.tolist() == want.tolist()
+
+
+def test_stopping_criteria_and_zero_new_tokens_and_a_draft_vocabulary():
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    target = TARGETS["qwen3"]
+    for seed in range(100):  # a prompt whose continuation runs past 10 tokens before any EOS
+        torch.manual_seed(seed)
+        x = torch.randint(4, 96, (1, 4))
+        free = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False)
+        if free.shape[1] - x.shape[1] > 10:
+            break
+    stop_at = free[0, x.shape[1] + 5].item()
+
+    class StopAt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == stop_at
+
+    criteria = StoppingCriteriaList([StopAt()])
+    want = target.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False, stopping_criteria=criteria
+    )
+    got = fused_generate(target, DRAFTERS["qwen3"], x, max_new_tokens=30, stopping_criteria=criteria)
+    assert got.tolist() == want.tolist() and got[0, -1].item() == stop_at
+    assert fused_generate(target, DRAFTERS["qwen3"], x, max_new_tokens=0).tolist() == x.tolist()
+    small = copy.deepcopy(DRAFTERS["qwen3"])
+    small.set_draft_vocab(list(range(4, 60)))
+    drafts = []
+    got = fused_generate(target, small, x, max_new_tokens=30, on_round=lambda d, a, n: drafts.extend(d))
+    assert got.tolist() == free.tolist()
+    assert drafts and all(4 <= t < 60 for t in drafts)
