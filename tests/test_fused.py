@@ -348,3 +348,22 @@ def test_stopping_criteria_and_zero_new_tokens_and_a_draft_vocabulary():
     got = fused_generate(target, small, x, max_new_tokens=30, on_round=lambda d, a, n: drafts.extend(d))
     assert got.tolist() == free.tolist()
     assert drafts and all(4 <= t < 60 for t in drafts)
+
+
+def test_refuses_a_target_whose_projections_the_hooks_do_not_see():
+    """A kernel that computes a projection without calling its module (a fused MLP) would skip that adapter."""
+    target = copy.deepcopy(TARGETS["llama"])
+    mlp = target.model.layers[1].mlp
+    mlp.forward = lambda x: mlp.down_proj(
+        mlp.act_fn(torch.nn.functional.linear(x, mlp.gate_proj.weight))
+        * torch.nn.functional.linear(x, mlp.up_proj.weight)
+    )
+    with pytest.raises(ValueError, match="adapted projections ran"):
+        fused_generate(target, DRAFTERS["llama"], torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+
+
+def test_refuses_a_target_dispatched_over_devices():
+    target = copy.deepcopy(TARGETS["llama"])
+    target.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "disk"}
+    with pytest.raises(ValueError, match="one device"):
+        fused_generate(target, DRAFTERS["llama"], torch.tensor([[5, 6, 7]]), max_new_tokens=3)
