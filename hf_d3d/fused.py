@@ -57,6 +57,9 @@ def _base_pairs(target: PreTrainedModel, drafter: PreTrainedModel) -> list[tuple
     cfg = drafter.config
     if not getattr(cfg, "shifted_slots", False) or not getattr(cfg, "block_adapter_rank", 0):
         return "the drafter is not a whole LM with block adapters and shifted slots (hf-d3d train --whole-lm target)"
+    kind = target.config.get_text_config().model_type
+    if kind != cfg.target_model_type:  # another family may compute its mask or projections differently
+        return f"the drafter was converted from a {cfg.target_model_type} model; this target is {kind}"
     layers = target.get_decoder().layers
     if list(cfg.target_layer_ids or []) != list(range(len(layers))) or cfg.num_hidden_layers != len(layers):
         return f"the drafter keeps target layers {cfg.target_layer_ids}, not all {len(layers)} of them"
