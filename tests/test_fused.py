@@ -367,3 +367,22 @@ def test_refuses_a_target_dispatched_over_devices():
     target.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "disk"}
     with pytest.raises(ValueError, match="one device"):
         fused_generate(target, DRAFTERS["llama"], torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_adapters_added_in_place_at_inference_match_training_arithmetic(batch):
+    """Without autograd the block adapters are added into the projections' outputs in place; same numbers."""
+    drafter = DRAFTERS["qwen3"]
+    ids, layout = pack_blocks(torch.tensor([[5, 6, 7, 8, 9]] * batch), 0, [2, 4], 4, fill_id=0)
+    with torch.no_grad():
+        fast = drafter(ids, layout=layout, use_cache=False).logits
+    with torch.enable_grad():
+        slow = drafter(ids, layout=layout, use_cache=False).logits
+    assert slow.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(
+        fast,
+        D3DDrafterModel.from_pretrained_lm(TARGETS["qwen3"], block_size=4)(
+            ids, layout=layout, use_cache=False
+        ).logits.detach(),
+    )  # the adapters do change the blocks

@@ -93,6 +93,14 @@ class D3DBlockAdapter(nn.Module):
         delta = F.linear(self.down(x[:, num_context:]), self.up)
         return F.pad(delta, (0, 0, num_context, 0))  # zero for the context rows
 
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, num_context: int) -> torch.Tensor:
+        """``out + self(x, num_context)``, written into ``out``'s block rows (inference: nothing needs ``out``)."""
+        if out.shape[0] == 1:  # one fused multiply-add on 2-D rows
+            out[0, num_context:].addmm_(self.down(x[0, num_context:]), self.up.t())
+        else:
+            out[:, num_context:] += F.linear(self.down(x[:, num_context:]), self.up)
+        return out
+
 
 def _adapters(config: D3DConfig, layer_idx: int, shapes: dict[str, tuple[int, int]]) -> nn.ModuleDict | None:
     layers = config.block_adapter_layers
@@ -103,7 +111,11 @@ def _adapters(config: D3DConfig, layer_idx: int, shapes: dict[str, tuple[int, in
 
 def _project(linear: nn.Linear, adapters: nn.ModuleDict | None, name: str, x: torch.Tensor, num_context: int):
     out = linear(x)
-    return out if adapters is None else out + adapters[name](x, num_context)
+    if adapters is None or out.shape[1] <= num_context:
+        return out
+    if torch.is_grad_enabled():  # training: autograd needs the sum as a new tensor
+        return out + adapters[name](x, num_context)
+    return adapters[name].add_to(out, x, num_context)
 
 
 class D3DAttention(nn.Module):
