@@ -16,6 +16,7 @@ Greedy decoding, batch size 1, a dynamic cache. :func:`fusable` says whether a d
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -24,13 +25,12 @@ from transformers import DynamicCache, PreTrainedModel
 
 from hf_d3d.checks import check_pair
 from hf_d3d.exact import is_exact
-from hf_d3d.modeling.attention_d3d import d3d_attention_mask, pack_blocks
+from hf_d3d.modeling.attention_d3d import D3DLayout, d3d_attention_mask, pack_blocks, pack_tree_blocks
 from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.modeling.generation_d3d import D3DStats
 from hf_d3d.modeling.modeling_d3d import _lm_state
 from hf_d3d.speculative import _eos_set, _until_stop
-from hf_d3d.tree import tree_unsupported
-from hf_d3d.verify import verify_greedy
+from hf_d3d.tree import DraftTree, build_tree, keep_path, tree_unsupported, tree_visibility, verify_tree_greedy
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -76,33 +76,36 @@ def _base_pairs(target: PreTrainedModel, drafter: PreTrainedModel) -> list[tuple
 
 
 def draft_from(
-    hidden: torch.Tensor, head: torch.Tensor, draft_vocab: torch.Tensor | None, ranked: bool
-) -> tuple[list[int], list[float]]:
-    """The greedy chain a block's slot rows ``hidden`` propose through ``head`` (rows of the draft vocabulary, if
-    any), and each token's probability under the drafter where ``ranked`` (else 1.0)."""
-    logits = F.linear(hidden, head)
-    picks = logits.argmax(-1)
-    confidence = logits.float().softmax(-1).gather(-1, picks[:, None])[:, 0].tolist() if ranked else None
-    draft = (picks if draft_vocab is None else draft_vocab[picks]).tolist()
-    return draft, confidence if confidence is not None else [1.0] * len(draft)
+    hidden: torch.Tensor, head: torch.Tensor, draft_vocab: torch.Tensor | None, width: int
+) -> tuple[list[list[float]], list[list[int]]]:
+    """The ``width`` best candidates of each slot row of ``hidden`` through ``head`` (rows of the draft vocabulary,
+    if any): log-probabilities and token ids, best first, as :func:`hf_d3d.tree.build_tree` takes them."""
+    top = F.linear(hidden, head).float().log_softmax(-1).topk(width, -1)
+    tokens = top.indices if draft_vocab is None else draft_vocab[top.indices]
+    return top.values.tolist(), tokens.tolist()
 
 
-def _crop(cache: DynamicCache, keep: int) -> None:
-    """Drop cached positions from ``keep`` on (the rejected drafts' and the blocks' keys)."""
-    if cache.get_seq_length() > keep:
-        cache.crop(keep - cache.get_seq_length())
+def likely_ends(parents: list[int], q: list[float], budget: int) -> list[int]:
+    """The ``budget`` nodes of a draft tree most likely to end the path the target accepts (-1: the root, nothing
+    accepted), under the drafter's own probabilities: node i is reached with the product of ``q`` along its path
+    (``q[i]``: its probability given its parent) and ends the path unless one of its children is accepted."""
+    reach = [1.0] * len(parents)
+    leave = {-1: 1.0}
+    for i, parent in enumerate(parents):
+        reach[i] = (reach[parent] if parent >= 0 else 1.0) * q[i]
+        leave[parent] = leave.get(parent, 1.0) - q[i]
+    score = {-1: leave[-1], **{i: reach[i] * leave.get(i, 1.0) for i in range(len(parents))}}
+    return sorted(sorted(score, key=lambda i: -score[i])[: max(budget, 1)])
 
 
-def likely_acceptances(confidence: list[float], budget: int) -> list[int]:
-    """The ``budget`` most likely accepted-prefix lengths of a greedy draft whose token i is right with probability
-    ``confidence[i]`` (the drafter's own): P(exactly j accepted) = c_1 ... c_j (1 - c_{j+1}), and all k accepted
-    with c_1 ... c_k."""
-    probs, reach = [], 1.0
-    for c in confidence:
-        probs.append(reach * (1.0 - c))
-        reach *= c
-    probs.append(reach)
-    return sorted(sorted(range(len(probs)), key=lambda j: -probs[j])[: max(budget, 1)])
+def _tree_context(
+    pending: list[int], tree: DraftTree, cached: int, device: torch.device
+) -> tuple[torch.LongTensor, torch.LongTensor, torch.BoolTensor]:
+    """Ids, positions and row visibility of uncached committed tokens followed by a draft tree rooted at the last."""
+    m = len(pending)
+    ids = torch.tensor([pending + tree.tokens], device=device)
+    positions = torch.tensor(list(range(cached, cached + m)) + [cached + m - 1 + d for d in tree.depths], device=device)
+    return ids, positions, tree_visibility(tree.parents, m)
 
 
 class FusedPass:
@@ -159,11 +162,17 @@ class FusedPass:
         self, cache: DynamicCache, cached: int, context: torch.LongTensor, verify_from: int, anchors: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``context`` (``[1, n]``, after ``cached`` cached positions) and one block anchored after each of its
-        rows ``anchors`` (offsets into ``context``). Returns the target's logits for rows ``verify_from`` to
-        ``n - 1`` and the blocks' last hidden states ``[len(anchors), block_size, hidden]``. The cache then holds
-        every row of the pass; crop it to what is committed."""
-        target, device = self.target, context.device
+        rows ``anchors`` (offsets into ``context``): :meth:`run` of the :func:`pack_blocks` layout."""
         ids, layout = pack_blocks(context, cached, [cached + a for a in anchors], self.size, fill_id=0)
+        return self.run(cache, ids, layout, verify_from)
+
+    def run(
+        self, cache: DynamicCache, ids: torch.LongTensor, layout: D3DLayout, verify_from: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over a D3D layout of context rows then blocks. Returns the target's logits for context
+        rows ``verify_from`` on and the blocks' last hidden states ``[blocks, block_size, hidden]``. The cache then
+        holds every row of the pass; crop it to what is committed."""
+        target, device, cached = self.target, ids.device, layout.past_length
         x = torch.where(layout.is_slot[..., None], self.mask_vector, target.get_input_embeddings()(ids))
         allowed = d3d_attention_mask(layout, cached)
         mask = torch.zeros(allowed.shape, dtype=x.dtype, device=device).masked_fill(~allowed, torch.finfo(x.dtype).min)
@@ -184,7 +193,7 @@ class FusedPass:
             raise ValueError(
                 f"{self.fired} of {len(self._handles) - 1} adapted projections ran in the target's forward"
             )
-        return logits, self.hidden[0, n:].view(len(anchors), self.size, -1)
+        return logits, self.hidden[0, n:].view(-1, self.size, self.hidden.shape[-1])
 
 
 @torch.no_grad()
@@ -198,6 +207,7 @@ def fused_generate(
     stopping_criteria=None,
     streamer=None,
     on_round: Callable[[list[int], int, list[int]], None] | None = None,
+    tree: bool = False,
 ) -> torch.LongTensor:
     """Greedy decode of ``target`` whose rounds each cost one target forward (see the module); returns prompt + new
     tokens ``[1, n]``, the tokens ``target.generate(do_sample=False)`` returns. ``eos_token_id`` defaults to the
@@ -245,42 +255,45 @@ def fused_generate(
     cached = seq.shape[1] - 1
     if cached and max_new_tokens:  # the prompt but its last token, plainly: no dense custom mask over a long prompt
         target(seq[:, :cached], use_cache=True, logits_to_keep=1, **{cache_kwarg(target): cache})
-    draft: list[int] = []
-    confidence: list[float] = []
-    with FusedPass(target, drafter) as run:
+    width = per_round if tree else 1  # candidates per slot: a draft tree, or a chain (a tree of one path)
+    draft_tree, node_q = DraftTree([], [], [], []), []  # the draft, and each node's probability given its parent
+    with FusedPass(target, drafter) as fused_pass:
         while seq.shape[1] < limit:
-            # Context: the tokens the cache lacks (the prompt, then the last committed token) and the draft.
-            pending = seq[:, cached:]
-            context = torch.cat([pending, torch.tensor([draft], device=device, dtype=seq.dtype)], dim=1)
-            first = pending.shape[1] - 1  # the row whose output is the target's token after the committed text
-            hyps = likely_acceptances(confidence, num_hypotheses) if draft else [0]
-            logits, blocks = run(cache, cached, context, first, [first + j for j in hyps])
-            accepted, token = verify_greedy(torch.tensor(draft, device=device, dtype=torch.long), logits)
+            # Context: the tokens the cache lacks (the prompt, then the last committed token: the root) and the draft.
+            pending = seq[0, cached:].tolist()
+            m = len(pending)
+            ends = likely_ends(draft_tree.parents, node_q, num_hypotheses)  # -1: the root
+            context_ids, positions, sees = _tree_context(pending, draft_tree, cached, device)
+            anchor_rows = [m + e for e in ends]  # the root's row is m - 1
+            ids, layout = pack_tree_blocks(context_ids, positions, sees, cached, anchor_rows, size, fill_id=0)
+            logits, blocks = fused_pass.run(cache, ids, layout, verify_from=m - 1)
+            path, token = verify_tree_greedy(draft_tree, logits.argmax(-1).tolist())
+            draft = [draft_tree.tokens[i] for i in path + draft_tree.best_chain(path[-1] if path else -1)]
+            accepted = len(path)
             new, stop = _until_stop(seq, (draft[:accepted] + [token])[: limit - seq.shape[1]], eos, stopping_criteria)
             stats.rounds += 1
-            stats.drafted_tokens += len(draft)
+            stats.drafted_tokens += len(draft_tree.tokens)
             stats.record(min(accepted, len(new)), len(new))
             if on_round is not None:
                 on_round(draft, min(accepted, len(new)), new)
-            cached += pending.shape[1] + accepted
-            _crop(cache, cached)
+            keep_path(cache, cached + m - 1, path)  # the root and the accepted nodes stay; other nodes, blocks go
+            cached += m + accepted
             seq = torch.cat([seq, torch.tensor([new], device=device, dtype=seq.dtype)], dim=1)
             if streamer is not None:
                 streamer.put(torch.tensor(new))
             if stop:
                 break
-            if accepted in hyps:  # the block anchored after the accepted prefix holds the next chain
-                stats.hits += draft != []
-                # the draft's own confidence ranks the next pass's hypotheses, where they do not cover every prefix
-                ranked = num_hypotheses <= per_round
-                draft, confidence = draft_from(
-                    blocks[hyps.index(accepted), :per_round], draft_head, draft_vocab, ranked
-                )
+            end = path[-1] if path else -1
+            room = max(limit - seq.shape[1] - 1, 0)  # a round commits its accepted drafts and one more token
+            if end in ends:  # the block anchored after the accepted path holds the next draft
+                stats.hits += bool(draft_tree.tokens)
+                logprobs, tokens = draft_from(blocks[ends.index(end), :per_round], draft_head, draft_vocab, width)
+                draft_tree = build_tree(logprobs[:room], tokens[:room], min(per_round, room))
+                nodes = zip(draft_tree.tokens, draft_tree.depths)
+                node_q = [math.exp(logprobs[d - 1][tokens[d - 1].index(t)]) for t, d in nodes]
             else:
                 stats.misses += 1
-                draft, confidence = [], []
-            room = max(limit - seq.shape[1] - 1, 0)  # a round commits its accepted drafts and one more token
-            draft, confidence = draft[:room], confidence[:room]
+                draft_tree, node_q = DraftTree([], [], [], []), []
     if streamer is not None:
         streamer.end()
     return seq

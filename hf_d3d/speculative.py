@@ -295,7 +295,6 @@ def _fused(
     refused = {
         "sampling (do_sample=True)": bool(config.do_sample),
         "logits processors": len(procs) > 0,
-        "draft trees (tree=True)": bool(tree),
         "async drafting": bool(async_drafting),
         "few-row kernels (skinny=True)": bool(skinny),
         "a static cache": (config.cache_implementation or "dynamic") != "dynamic",
@@ -314,6 +313,7 @@ def _fused(
         stopping_criteria=stopping_criteria,
         streamer=streamer,
         on_round=on_round,
+        tree=bool(tree),
     )
 
 

@@ -96,6 +96,19 @@ def tree_size(tree: DraftTree, round_cost: list[float] | None) -> int:
     return max(best_length(tree.value, round_cost), 1)  # the rule a chain's length follows
 
 
+def tree_visibility(parents: list[int], m: int) -> torch.BoolTensor:
+    """``[m + n, m + n]``, True where row i sees row j: ``m`` committed rows causally, then the tree's nodes, each
+    seeing every committed row (the last is the root), its ancestors and itself."""
+    n = len(parents)
+    sees = torch.ones(m + n, m + n, dtype=torch.bool).tril()
+    sees[m:, m:] = False
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            sees[m + i] |= sees[m + parent]
+        sees[m + i, m + i] = True
+    return sees
+
+
 def tree_inputs(
     tree: DraftTree, committed: list[int], past: int, device: torch.device, dtype: torch.dtype, additive: bool
 ) -> tuple[torch.LongTensor, torch.LongTensor, torch.Tensor]:
@@ -106,12 +119,7 @@ def tree_inputs(
     ``additive``: float (0 / dtype min), as eager attention adds it; otherwise boolean (True = attend), for SDPA.
     """
     m, n = len(committed), len(tree.tokens)
-    sees = torch.ones(m + n, m + n, dtype=torch.bool).tril()
-    sees[m:, m:] = False
-    for i, parent in enumerate(tree.parents):
-        if parent >= 0:
-            sees[m + i] |= sees[m + parent]
-        sees[m + i, m + i] = True
+    sees = tree_visibility(tree.parents, m)
     mask = torch.cat([torch.ones(m + n, past, dtype=torch.bool), sees], dim=1)[None, None].to(device)
     if additive:
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)

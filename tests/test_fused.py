@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from conftest import EOS, FAMILIES, prompts, tiny_target
 from hf_d3d import D3DDrafterModel, d3d_generate, fused, speculative_generate
-from hf_d3d.fused import fusable, fused_generate, likely_acceptances
+from hf_d3d.fused import fusable, fused_generate, likely_ends
 from hf_d3d.modeling.attention_d3d import pack_blocks
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -84,11 +84,15 @@ def test_every_draft_is_the_drafters_own(family, hyps):
     assert checked >= 3
 
 
-def test_likely_acceptances():
-    assert likely_acceptances([], 3) == [0]
-    assert likely_acceptances([0.9, 0.9, 0.9], 1) == [3]  # 0.73 for all three
-    assert likely_acceptances([0.1, 0.9], 2) == [0, 2]  # 0.9 for none, 0.09 for both, 0.01 for one
-    assert likely_acceptances([0.5, 0.5], 5) == [0, 1, 2]
+def test_likely_ends():
+    assert likely_ends([], [], 3) == [-1]
+    chain = [-1, 0, 1]
+    assert likely_ends(chain, [0.9, 0.9, 0.9], 1) == [2]  # 0.73 for all three
+    assert likely_ends(chain[:2], [0.1, 0.9], 2) == [-1, 1]  # 0.9 for none, 0.09 for both, 0.01 for one
+    assert likely_ends(chain[:2], [0.5, 0.5], 5) == [-1, 0, 1]
+    # root -> a (0.6) -> c (0.5); root -> b (0.3): ends root 0.1, a 0.3, b 0.3, c 0.3
+    assert likely_ends([-1, -1, 0], [0.6, 0.3, 0.5], 1) in ([0], [1], [2])
+    assert likely_ends([-1, -1, 0], [0.6, 0.3, 0.5], 3) == [0, 1, 2]
 
 
 def test_refuses_drafters_it_cannot_fuse():
@@ -155,7 +159,6 @@ def test_fused_true_refuses_what_it_does_not_do():
     x = torch.tensor([[5, 6, 7]])
     for kwargs, what in [
         (dict(do_sample=True), "sampling"),
-        (dict(tree=True), "draft trees"),
         (dict(cache_implementation="static"), "static cache"),
         (dict(repetition_penalty=1.3), "repetition_penalty"),
     ]:
@@ -256,10 +259,11 @@ def _oracle(monkeypatch, target, x, max_new, eos, corrupt, seed):
     rng = torch.Generator().manual_seed(seed)
     state = {"len": x.shape[1]}
 
-    def draft_from(hidden, head, draft_vocab, ranked):
+    def draft_from(hidden, head, draft_vocab, width):
         chain = ref[state["len"] : state["len"] + hidden.shape[0]]
         chain = [(t + 1) % 96 if torch.rand((), generator=rng) < corrupt else t for t in chain]
-        return chain, torch.rand(len(chain), generator=rng).tolist()
+        confidence = (0.05 + 0.9 * torch.rand(len(chain), generator=rng)).log().tolist()
+        return [[c] for c in confidence], [[t] for t in chain]
 
     def on_round(draft, accepted, new):
         assert new[:accepted] == draft[:accepted]
@@ -386,3 +390,50 @@ def test_adapters_added_in_place_at_inference_match_training_arithmetic(batch):
             ids, layout=layout, use_cache=False
         ).logits.detach(),
     )  # the adapters do change the blocks
+
+
+@settings(max_examples=15)
+@given(family=FAMILIES, prompt=prompts(8), nodes=st.lists(st.integers(4, 95), min_size=3, max_size=3), data=st.data())
+def test_a_fused_tree_pass_sees_each_nodes_path_only(family, prompt, nodes, data):
+    """Tree context: node rows give the target's logits after their own path, and a block anchored at a node drafts
+    what the drafter drafts after that path (siblings and their blocks stay invisible)."""
+    from hf_d3d.fused import _tree_context
+    from hf_d3d.modeling.attention_d3d import pack_tree_blocks
+    from hf_d3d.tree import DraftTree
+
+    target, drafter = TARGETS[family], DRAFTERS[family]
+    tree = DraftTree(nodes, [-1, -1, 0], [1, 1, 2], [0.0] * 3)  # root -> a -> c, root -> b
+    cached = data.draw(st.integers(0, len(prompt) - 1))
+    pending = prompt[cached:]
+    ends = sorted(data.draw(st.sets(st.sampled_from([-1, 0, 1, 2]), min_size=1, max_size=4)))
+    cache = DynamicCache()
+    with torch.no_grad():
+        if cached:
+            target(torch.tensor([prompt[:cached]]), cache=cache)
+        ids, positions, sees = _tree_context(pending, tree, cached, torch.device("cpu"))
+        m = len(pending)
+        ids, layout = pack_tree_blocks(ids, positions, sees, cached, [m + e for e in ends], 4, fill_id=0)
+        with fused.FusedPass(target, drafter) as run:
+            logits, blocks = run.run(cache, ids, layout, verify_from=m - 1)
+        paths = {-1: [], 0: [nodes[0]], 1: [nodes[1]], 2: [nodes[0], nodes[2]]}
+        for row, node in enumerate([-1, 0, 1, 2]):
+            want = target(torch.tensor([prompt + paths[node]])).logits[0, -1]
+            torch.testing.assert_close(logits[row], want, rtol=1e-4, atol=1e-4)
+        head = target.get_output_embeddings().weight
+        for i, end in enumerate(ends):
+            prefix = torch.tensor([prompt + paths[end]])
+            own_ids, own_layout = pack_blocks(prefix, 0, [prefix.shape[1] - 1], 4, fill_id=0)
+            own = drafter(own_ids, layout=own_layout, use_cache=False).logits[0, prefix.shape[1] :]
+            torch.testing.assert_close(torch.nn.functional.linear(blocks[i], head)[:3], own[1:], rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=20)
+@given(family=FAMILIES, prompt=prompts(10), max_new=st.integers(1, 24), hyps=st.integers(1, 5))
+def test_fused_trees_give_greedy_tokens(family, prompt, max_new, hyps):
+    target = TARGETS[family]
+    x = torch.tensor([prompt])
+    want = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False)
+    got = fused_generate(target, DRAFTERS[family], x, max_new_tokens=max_new, num_hypotheses=hyps, tree=True)
+    assert got.tolist() == want.tolist()
+    via_loop = speculative_generate(target, DRAFTERS[family], x, max_new_tokens=max_new, fused=True, tree=True)
+    assert via_loop.tolist() == want.tolist()

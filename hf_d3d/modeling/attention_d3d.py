@@ -9,6 +9,10 @@ then holds ``block_size`` mask slots. Rules, for query q and key k:
 * inside a block, clean tokens see earlier block tokens (causal) and slots see the whole block (bidirectional);
 * nothing outside a block sees its tokens.
 
+The context may also be a draft tree (``context_sees``): a context query then sees the context keys its row sees
+(the committed tokens and its ancestors), and a block anchored at a tree node sees what that node sees, itself
+included.
+
 Training, synchronous drafting and the packed asynchronous pass all build their masks with
 :func:`d3d_attention_mask`, so the three can never disagree.
 """
@@ -36,6 +40,10 @@ class D3DLayout:
     anchors: torch.LongTensor
     past_length: int
     num_context: int
+    # A tree context: which of the forward's context rows each context row sees ([n, n], True on the diagonal), and
+    # for every token the context row it takes its view from (its own row, or its block's anchor row).
+    context_sees: torch.BoolTensor | None = None
+    anchor_rows: torch.LongTensor | None = None
 
     def attention_mask(self) -> torch.BoolTensor:
         """Boolean mask ``[batch, 1, T, past_length + T]``, True where attention is allowed."""
@@ -56,6 +64,10 @@ def d3d_attention_mask(layout: D3DLayout, past_length: int) -> torch.BoolTensor:
     q_anchor = layout.anchors[:, :, None]
 
     sees_context = (k_block == CONTEXT) & (k_pos <= q_anchor)
+    if layout.context_sees is not None:  # a tree: the forward's own context keys by ancestry, not by position
+        n = layout.num_context
+        tree = layout.context_sees.to(device)[layout.anchor_rows]  # [batch, T, n]
+        sees_context[:, :, past_length : past_length + n] = tree
     same_block = (q_block == k_block) & (q_block != CONTEXT)
     sees_block = same_block & ((k_pos <= q_pos) | (q_slot & k_slot))
     return (sees_context | sees_block)[:, None]
@@ -108,5 +120,43 @@ def pack_blocks(
         anchors=cat(anc),
         past_length=past_length,
         num_context=n_ctx,
+    )
+    return torch.cat(ids, dim=1), layout
+
+
+def pack_tree_blocks(
+    context_ids: torch.LongTensor,
+    position_ids: torch.LongTensor,
+    context_sees: torch.BoolTensor,
+    past_length: int,
+    anchor_rows: list[int],
+    block_size: int,
+    fill_id: int,
+) -> tuple[torch.LongTensor, D3DLayout]:
+    """Lay out a tree context (``context_ids`` ``[1, n]`` at ``position_ids`` ``[n]``; row i sees the rows
+    ``context_sees[i]`` marks) followed by one block of ``block_size`` slots after each context row in
+    ``anchor_rows``, at the positions after its anchor's."""
+    n = context_ids.shape[1]
+    device = context_ids.device
+    ids, pos, blk, slot, rows = [context_ids], [position_ids], [torch.full((n,), CONTEXT, device=device)], [], []
+    slot.append(torch.zeros(n, dtype=torch.bool, device=device))
+    rows.append(torch.arange(n, device=device))
+    for b, row in enumerate(anchor_rows):
+        ids.append(torch.full((1, block_size), fill_id, device=device, dtype=context_ids.dtype))
+        pos.append(position_ids[row] + 1 + torch.arange(block_size, device=device))
+        blk.append(torch.full((block_size,), b, device=device))
+        slot.append(torch.ones(block_size, dtype=torch.bool, device=device))
+        rows.append(torch.full((block_size,), row, device=device))
+    positions = torch.cat(pos)[None]
+    anchors = torch.cat([position_ids] + [p[:1].expand(block_size) - 1 for p in pos[1:]])[None]
+    layout = D3DLayout(
+        position_ids=positions,
+        block_ids=torch.cat(blk)[None],
+        is_slot=torch.cat(slot)[None],
+        anchors=anchors,
+        past_length=past_length,
+        num_context=n,
+        context_sees=context_sees.to(device),
+        anchor_rows=torch.cat(rows)[None],
     )
     return torch.cat(ids, dim=1), layout
