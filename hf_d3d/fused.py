@@ -4,9 +4,10 @@ A whole-LM drafter converted from the target itself (``hf-d3d train --whole-lm t
 the target's exact computation on context tokens and sends only block tokens through its low-rank adapters, and a
 block's first draft token is read from its anchor's causal output (the shift). So the target's own forward can carry
 the drafter's blocks: the verification rows stay the target's own, and a block anchored after each likely accepted
-prefix drafts the next chain in the same pass. A round costs one target forward instead of a verify forward plus a
+prefix drafts the next draft in the same pass (a tree of its best candidates per slot, verified with a tree mask as
+the two-pass loop's trees are, or a chain). A round costs one target forward instead of a verify forward plus a
 drafter pass, and no second copy of the weights is read. The block anchored after the prefix the target accepts
-holds the next chain: its slot 0 sits where the target's own next token goes (committed from the verification row),
+holds the next draft: its slot 0 sits where the target's own next token goes (committed from the verification row),
 its slots 0..S-2 predict the S-1 tokens after that. Where the accepted prefix had no block, the next pass verifies
 nothing and drafts afresh, so every pass commits at least the target's own token.
 
@@ -207,15 +208,16 @@ def fused_generate(
     stopping_criteria=None,
     streamer=None,
     on_round: Callable[[list[int], int, list[int]], None] | None = None,
-    tree: bool = False,
+    tree: bool = True,
 ) -> torch.LongTensor:
     """Greedy decode of ``target`` whose rounds each cost one target forward (see the module); returns prompt + new
     tokens ``[1, n]``, the tokens ``target.generate(do_sample=False)`` returns. ``eos_token_id`` defaults to the
-    target's generation config. ``num_hypotheses``: blocks per pass, anchored after the most likely accepted
-    prefixes (default: every prefix on an accelerator, 2 on a CPU, where each block's rows cost compute).
-    ``stopping_criteria``, ``streamer`` and ``on_round(draft, accepted, committed)`` as in
-    :func:`hf_d3d.speculative_generate`. Statistics in ``drafter.last_stats`` (``hits``: passes whose accepted
-    prefix had a block)."""
+    target's generation config. ``tree``: verify a draft tree of the accepted block's best candidates (the default)
+    or its greedy chain. ``num_hypotheses``: blocks per pass, anchored at the draft's nodes most likely to end the
+    accepted path (default: every node and the root on an accelerator, 2 on a CPU, where each block's rows cost
+    compute). ``stopping_criteria``, ``streamer`` and ``on_round(draft, accepted, committed)`` as in
+    :func:`hf_d3d.speculative_generate`. Statistics in ``drafter.last_stats`` (``hits``: passes whose accepted path
+    ended at a node with a block)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"fused_generate supports batch size 1, got input of shape {tuple(input_ids.shape)}")
     if max_new_tokens < 0:

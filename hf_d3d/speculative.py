@@ -225,7 +225,7 @@ def speculative_generate(
     chains (False). ``skinny``: compute few-row linears (the target's verify forwards, the drafter's blocks) as
     :func:`hf_d3d.skinny_linears` does (default: fp32 targets on CPU, unless verification is exact).
     ``fused``: for a drafter that is the target plus block adapters, one target forward per round verifies the
-    draft and drafts the next chain (:func:`hf_d3d.fused_generate`; greedy, dynamic cache).
+    draft and drafts the next one (:func:`hf_d3d.fused_generate`; greedy, dynamic cache; ``tree`` as above).
     """
     config = copy.deepcopy(generation_config or target.generation_config or GenerationConfig())
     unknown = config.update(**kwargs)
@@ -313,7 +313,7 @@ def _fused(
         stopping_criteria=stopping_criteria,
         streamer=streamer,
         on_round=on_round,
-        tree=bool(tree),
+        tree=tree is not False,
     )
 
 

@@ -58,7 +58,7 @@ def test_stops_at_eos_like_generate():
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("hyps", [1, 4])
 def test_every_draft_is_the_drafters_own(family, hyps):
-    """Each round's draft is what the drafter itself drafts in a block anchored after the text before the target's
+    """Each round's chain is what the drafter itself drafts in a block anchored after the text before the target's
     last token: slot 0 sits where that token goes, slots 0..S-2 give the S-1 tokens after it."""
     target, drafter = TARGETS[family], DRAFTERS[family]
     torch.manual_seed(1)
@@ -69,7 +69,9 @@ def test_every_draft_is_the_drafters_own(family, hyps):
         rounds.append((list(text), list(draft)))
         text.extend(new)
 
-    fused_generate(target, drafter, prompt, max_new_tokens=24, num_hypotheses=hyps, eos_token_id=[], on_round=on_round)
+    fused_generate(
+        target, drafter, prompt, max_new_tokens=24, num_hypotheses=hyps, eos_token_id=[], on_round=on_round, tree=False
+    )
     checked = 0
     for before, draft in rounds:
         if not draft:
