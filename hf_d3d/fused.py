@@ -31,7 +31,15 @@ from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.modeling.generation_d3d import D3DStats
 from hf_d3d.modeling.modeling_d3d import _lm_state
 from hf_d3d.speculative import _eos_set, _until_stop
-from hf_d3d.tree import DraftTree, build_tree, keep_path, tree_unsupported, tree_visibility, verify_tree_greedy
+from hf_d3d.tree import (
+    DraftTree,
+    build_tree,
+    keep_path,
+    tree_rows,
+    tree_unsupported,
+    tree_visibility,
+    verify_tree_greedy,
+)
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -97,16 +105,6 @@ def likely_ends(parents: list[int], q: list[float], budget: int) -> list[int]:
         leave[parent] = leave.get(parent, 1.0) - q[i]
     score = {-1: leave[-1], **{i: reach[i] * leave.get(i, 1.0) for i in range(len(parents))}}
     return sorted(sorted(score, key=lambda i: -score[i])[: max(budget, 1)])
-
-
-def _tree_context(
-    pending: list[int], tree: DraftTree, cached: int, device: torch.device
-) -> tuple[torch.LongTensor, torch.LongTensor, torch.BoolTensor]:
-    """Ids, positions and row visibility of uncached committed tokens followed by a draft tree rooted at the last."""
-    m = len(pending)
-    ids = torch.tensor([pending + tree.tokens], device=device)
-    positions = torch.tensor(list(range(cached, cached + m)) + [cached + m - 1 + d for d in tree.depths], device=device)
-    return ids, positions, tree_visibility(tree.parents, m)
 
 
 class FusedPass:
@@ -265,7 +263,8 @@ def fused_generate(
             pending = seq[0, cached:].tolist()
             m = len(pending)
             ends = likely_ends(draft_tree.parents, node_q, num_hypotheses)  # -1: the root
-            context_ids, positions, sees = _tree_context(pending, draft_tree, cached, device)
+            context_ids, positions = tree_rows(draft_tree, pending, cached, device)
+            sees = tree_visibility(draft_tree.parents, m)
             anchor_rows = [m + e for e in ends]  # the root's row is m - 1
             ids, layout = pack_tree_blocks(context_ids, positions, sees, cached, anchor_rows, size, fill_id=0)
             logits, blocks = fused_pass.run(cache, ids, layout, verify_from=m - 1)

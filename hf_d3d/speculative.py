@@ -234,20 +234,19 @@ def speculative_generate(
     if max_new_tokens is None:
         max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else 128
     if fused:
-        return _fused(
+        from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
+
+        _refuse_for_fused(config, logits_processor, async_drafting, skinny, attention_mask)
+        return fused_generate(
             target,
             drafter,
             input_ids,
-            config,
-            max_new_tokens,
-            attention_mask,
-            logits_processor,
-            async_drafting,
-            tree,
-            skinny,
-            stopping_criteria,
-            streamer,
-            on_round,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=config.eos_token_id if config.eos_token_id is not None else [],  # None: EOS ignored
+            stopping_criteria=stopping_criteria,
+            streamer=streamer,
+            on_round=on_round,
+            tree=tree is not False,
         )
     plan = _plan(
         target,
@@ -273,24 +272,8 @@ def speculative_generate(
     return seq
 
 
-def _fused(
-    target,
-    drafter,
-    input_ids,
-    config,
-    max_new_tokens,
-    attention_mask,
-    logits_processor,
-    async_drafting,
-    tree,
-    skinny,
-    stopping_criteria,
-    streamer,
-    on_round,
-) -> torch.LongTensor:
-    """speculative_generate(fused=True): refuse what the fused rounds do not do, then run them."""
-    from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
-
+def _refuse_for_fused(config, logits_processor, async_drafting, skinny, attention_mask) -> None:
+    """speculative_generate(fused=True): name every asked setting the fused rounds do not do."""
     procs = logits_processor if logits_processor is not None else _warpers(config)
     refused = {
         "sampling (do_sample=True)": bool(config.do_sample),
@@ -304,17 +287,6 @@ def _fused(
     asked = [name for name, on in refused.items() if on]
     if asked:
         raise ValueError(f"fused=True decodes greedily over a dynamic cache; it does not support {', '.join(asked)}")
-    return fused_generate(
-        target,
-        drafter,
-        input_ids,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=config.eos_token_id if config.eos_token_id is not None else [],  # None: EOS ignored
-        stopping_criteria=stopping_criteria,
-        streamer=streamer,
-        on_round=on_round,
-        tree=tree is not False,
-    )
 
 
 def _decode(target, plan: _Plan, seq, limit, stopping_criteria, generator, on_round, streamer) -> torch.LongTensor:

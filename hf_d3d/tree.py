@@ -123,10 +123,19 @@ def tree_inputs(
     mask = torch.cat([torch.ones(m + n, past, dtype=torch.bool), sees], dim=1)[None, None].to(device)
     if additive:
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    ids, positions = tree_rows(tree, committed, past, device)
+    return ids, positions[None], mask
+
+
+def tree_rows(
+    tree: DraftTree, committed: list[int], past: int, device: torch.device
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Input ids ``[1, m + n]`` and positions ``[m + n]`` of uncached ``committed`` tokens (after ``past`` cached
+    ones) followed by the tree's nodes: the last committed token is the root, a node sits at its depth past it."""
+    m = len(committed)
     ids = torch.tensor([committed + tree.tokens], device=device)
-    root = past + m - 1
-    positions = torch.tensor([list(range(past, past + m)) + [root + d for d in tree.depths]], device=device)
-    return ids, positions, mask
+    positions = list(range(past, past + m)) + [past + m - 1 + d for d in tree.depths]
+    return ids, torch.tensor(positions, device=device)
 
 
 def verify_tree_greedy(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:

@@ -399,9 +399,8 @@ def test_adapters_added_in_place_at_inference_match_training_arithmetic(batch):
 def test_a_fused_tree_pass_sees_each_nodes_path_only(family, prompt, nodes, data):
     """Tree context: node rows give the target's logits after their own path, and a block anchored at a node drafts
     what the drafter drafts after that path (siblings and their blocks stay invisible)."""
-    from hf_d3d.fused import _tree_context
     from hf_d3d.modeling.attention_d3d import pack_tree_blocks
-    from hf_d3d.tree import DraftTree
+    from hf_d3d.tree import DraftTree, tree_rows, tree_visibility
 
     target, drafter = TARGETS[family], DRAFTERS[family]
     tree = DraftTree(nodes, [-1, -1, 0], [1, 1, 2], [0.0] * 3)  # root -> a -> c, root -> b
@@ -412,8 +411,9 @@ def test_a_fused_tree_pass_sees_each_nodes_path_only(family, prompt, nodes, data
     with torch.no_grad():
         if cached:
             target(torch.tensor([prompt[:cached]]), cache=cache)
-        ids, positions, sees = _tree_context(pending, tree, cached, torch.device("cpu"))
+        ids, positions = tree_rows(tree, pending, cached, torch.device("cpu"))
         m = len(pending)
+        sees = tree_visibility(tree.parents, m)
         ids, layout = pack_tree_blocks(ids, positions, sees, cached, [m + e for e in ends], 4, fill_id=0)
         with fused.FusedPass(target, drafter) as run:
             logits, blocks = run.run(cache, ids, layout, verify_from=m - 1)
