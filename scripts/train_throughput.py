@@ -24,6 +24,11 @@ SHAPES = {  # name: (how to build, layers frozen from the bottom)
     "whole-30-freeze20": ("whole", 20),
     "whole-30-freeze24": ("whole", 24),
     "copied-4": ("copied", 0),
+    # rank-64 block adapters in all 30 layers, trained alone (as `hf-d3d train --block-adapter-rank 64` does), with
+    # the whole batch under autograd, or with the context first without it (`frozen_context`, the trainer's choice)
+    "adapters-30": ("adapters", 0),
+    "adapters-30-no-ar": ("adapters", 0),
+    "adapters-30-frozen-context": ("adapters", 0),
 }
 
 
@@ -34,28 +39,48 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=8)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--max-ar-positions", type=int, default=64, help="next-token labels per sequence (0: none)")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--out", default="results/train_throughput.json")
     args = parser.parse_args()
     target, _ = load_target(None)
     records = load_records(*args.data)
-    gen = torch.Generator().manual_seed(0)
-    batches = [
-        make_batch(records[i * args.batch_size : (i + 1) * args.batch_size], 8, args.num_blocks, 0, 0, gen, 64)
-        for i in range(args.steps + 1)
-    ]
-    tokens = sum(int((b.labels != -100).sum()) for b in batches[1:]) / args.steps
+
+    def batches_with(max_ar_positions: int) -> list:
+        gen = torch.Generator().manual_seed(0)  # the same anchors whatever the next-token labels
+        return [
+            make_batch(
+                records[i * args.batch_size : (i + 1) * args.batch_size],
+                8,
+                args.num_blocks,
+                0,
+                0,
+                gen,
+                max_ar_positions,
+            )
+            for i in range(args.steps + 1)
+        ]
+
+    batches, block_only = batches_with(args.max_ar_positions), batches_with(0)
     rows = []
     for name in args.shapes.split(","):
         kind, frozen = SHAPES[name]
         for precision in args.precisions.split(","):
-            if kind == "whole":
+            if kind == "adapters":
+                drafter = D3DDrafterModel.from_pretrained_lm(target, block_size=8, block_adapter_rank=64)
+            elif kind == "whole":
                 drafter = D3DDrafterModel.from_pretrained_lm(target, block_size=8)
             else:
                 drafter = D3DDrafterModel.from_target(target, num_hidden_layers=4, block_size=8)
             drafter.float().train()
             drafter.get_input_embeddings().weight.requires_grad_(False)
             drafter.get_output_embeddings().weight.requires_grad_(False)
+            if kind == "adapters":
+                for pname, p in drafter.named_parameters():
+                    p.requires_grad_("block_adapters" in pname)
+            frozen_context = name.endswith("frozen-context")
+            # next-token labels have no gradient when the context is frozen, so the trainer builds none
+            chosen = block_only if frozen_context or name.endswith("no-ar") else batches
             if frozen:
                 drafter.model.mask_embedding.requires_grad_(False)
                 for layer in drafter.model.layers[:frozen]:
@@ -63,10 +88,10 @@ def main() -> None:
             params = [p for p in drafter.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=1e-5)
             times = []
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate(chosen):
                 start = time.perf_counter()
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    loss, _ = d3d_loss(drafter, batch)
+                    loss, _ = d3d_loss(drafter, batch, frozen_context=frozen_context)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
@@ -78,7 +103,7 @@ def main() -> None:
                 "precision": precision,
                 "threads": torch.get_num_threads(),
                 "sec_per_step": sec,
-                "trained_tokens_per_sec": tokens / sec,
+                "trained_tokens_per_sec": sum(int((b.labels != -100).sum()) for b in chosen[1:]) / args.steps / sec,
                 "trainable_params": sum(p.numel() for p in params),
             }
             print(json.dumps(row), flush=True)

@@ -229,3 +229,36 @@ def test_widening_block_adapters_changes_nothing_until_trained(tmp_path):
     assert trained.model.layers[0].self_attn.block_adapters["q_proj"].up.abs().sum() > 0  # trained, not zero
     with pytest.raises(ValueError, match="no block adapters"):
         widen_block_adapters(WHOLE["llama"])
+
+
+@settings(max_examples=10, deadline=None)
+@given(family=FAMILIES, layers=st.sampled_from([None, [1, 2]]), seed=st.integers(0, 2**16))
+def test_frozen_context_gives_the_same_loss_and_gradients(family, layers, seed):
+    """Training with ``frozen_context`` (the context without autograd, the blocks over its keys) is the same math."""
+    from hf_d3d.train.objective import d3d_loss, make_batch
+
+    drafter = _with_adapters(family, rank=4, layers=layers).float()
+    for name, p in drafter.named_parameters():
+        p.requires_grad_("block_adapters" in name)
+        if "block_adapters" in name:
+            p.data.normal_(std=0.3, generator=torch.Generator().manual_seed(seed))
+    records = [
+        {"prompt_ids": [5, 6, 7 + i], "response_ids": [8 + i, 9 + i % 3, 10, 11, 12, 13, EOS][: 4 + i]}
+        for i in range(3)
+    ]  # lengths differ, so the context is padded
+    batch = make_batch(records, 4, 3, 0, 0, torch.Generator().manual_seed(seed), max_ar_positions=0)
+    grads, passes = {}, []
+    drafter.model.register_forward_hook(lambda module, args, out: passes.append(out.requires_grad))
+    for frozen in (False, True):
+        drafter.zero_grad()
+        passes.clear()
+        loss, metrics = d3d_loss(drafter, batch, frozen_context=frozen)
+        loss.backward()
+        assert passes == ([False, True] if frozen else [True])  # frozen: a context pass without autograd first
+        assert "ar" not in metrics  # no next-token labels were built
+        grads[frozen] = (loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad})
+    torch.testing.assert_close(grads[True][0], grads[False][0], rtol=1e-5, atol=1e-6)
+    assert grads[True][1].keys() == grads[False][1].keys() and grads[True][1]
+    for name, grad in grads[False][1].items():
+        torch.testing.assert_close(grads[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(g.abs().sum() > 0 for g in grads[True][1].values())

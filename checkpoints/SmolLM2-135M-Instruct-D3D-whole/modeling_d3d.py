@@ -286,6 +286,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         draft_logits: bool = False,
         past_key_values: DynamicCache | None = None,
+        frozen_context: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run context tokens and draft blocks described by ``layout``; without one, a plain causal LM pass.
@@ -295,6 +296,9 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         ``draft_logits``: logits over the draft vocabulary only, ``[..., draft_vocab_size]`` in its order (training
         the distribution the drafter proposes from, at a sixth of the head's cost for 8k of 49k tokens).
         ``past_key_values``: the KV cache under its name before transformers 5.24 (whose generate passes ``cache``).
+        ``frozen_context``: the caller promises that no trainable weight acts on context tokens (block adapters
+        alone are trained), so under autograd the context runs first without it and the blocks then attend to its
+        keys: the same outputs, without storing or back-propagating the context's activations.
         """
         cache = passed_cache(cache, past_key_values)
         past = cache.get_seq_length() if cache is not None else 0
@@ -307,7 +311,17 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             cache = None
         elif cache is None and (use_cache or self.config.use_cache):
             cache = DynamicCache()
-        hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, cache, layout.num_context)
+        n = layout.num_context
+        if frozen_context and torch.is_grad_enabled() and cache is None and 0 < n < input_ids.shape[1]:
+            keys = DynamicCache()
+            with torch.no_grad():
+                context = self.model(input_ids[:, :n], None, layout.position_ids[:, :n], mask[..., :n, :n], keys, n)
+            blocks = self.model(
+                input_ids[:, n:], layout.is_slot[:, n:], layout.position_ids[:, n:], mask[..., n:, :], keys, 0
+            )
+            hidden = torch.cat([context, blocks], dim=1)
+        else:
+            hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, cache, n)
         if self.config.shifted_slots:
             hidden = hidden.gather(1, _shifted_index(layout)[..., None].expand_as(hidden))
         if isinstance(logits_to_keep, int):

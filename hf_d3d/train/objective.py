@@ -87,16 +87,21 @@ def d3d_loss(
     ar_weight: float = 0.5,
     slot_decay: float = 0.8,
     vocab_index: torch.Tensor | None = None,
+    frozen_context: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total loss = slot-weighted denoising CE + ``ar_weight`` * next-token CE. Logits only where there is a label.
 
     ``vocab_index`` (token id -> position in the drafter's draft vocabulary, ``IGNORE`` outside it) trains the
     softmax over the draft vocabulary, which is exactly what the drafter proposes from; tokens outside it, which
     it can never propose, carry no loss.
+    ``frozen_context``: block adapters are the only trainable weights, so the context needs no autograd (see the
+    drafter's ``forward``); the batch should then carry no next-token labels, which could have no gradient.
     """
     has_label = batch.labels != IGNORE
     restrict = {"draft_logits": True} if vocab_index is not None else {}
     # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
+    if frozen_context:
+        restrict["frozen_context"] = True
     out = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has_label, **restrict)
     logits = out.logits.float()
     labels, is_slot, slot_index = batch.labels[has_label], batch.layout.is_slot[has_label], batch.slot_index[has_label]
@@ -109,13 +114,13 @@ def d3d_loss(
     weights = slot_decay ** slot_index[is_slot].float() * (slot_labels != IGNORE)
     denoise = (slot_ce * weights).sum() / weights.sum().clamp_min(1e-6)
     ar_labels = labels[~is_slot]
-    if (ar_labels != IGNORE).any():
-        ar = F.cross_entropy(logits[~is_slot], ar_labels, ignore_index=IGNORE)
-    else:
-        ar = logits.sum() * 0
+    has_ar = bool((ar_labels != IGNORE).any())
+    ar = F.cross_entropy(logits[~is_slot], ar_labels, ignore_index=IGNORE) if has_ar else logits.sum() * 0
     total = denoise + ar_weight * ar
     with torch.no_grad():
         slot0 = (slot_index[is_slot] == 0) & (slot_labels != IGNORE)
         acc0 = (slot_logits[slot0].argmax(-1) == slot_labels[slot0]).float().mean() if slot0.any() else 0
-    metrics = {"loss": total.item(), "denoise": denoise.item(), "ar": ar.item(), "slot0_acc": float(acc0)}
+    metrics = {"loss": total.item(), "denoise": denoise.item(), "slot0_acc": float(acc0)}
+    if has_ar:
+        metrics["ar"] = ar.item()
     return total, metrics

@@ -209,13 +209,18 @@ def train(
     per_step = config.batch_size * accelerator.num_processes
     steps_per_epoch = max(1, len(records) // per_step)
 
+    # With block adapters alone trained, the context's computation is the frozen LM's: the forward skips autograd
+    # there, and next-token labels, a constant of the frozen LM, are not built at all.
+    frozen_context = config.adapters_only
+    max_ar_positions = 0 if frozen_context else config.max_ar_positions
+
     def batch_for(step_idx: int, micro: int):
         epoch, offset = divmod(step_idx * config.grad_accum + micro, steps_per_epoch)
         order = torch.randperm(len(records), generator=torch.Generator().manual_seed(config.seed + epoch))
         start = offset * per_step + accelerator.process_index * config.batch_size
         chosen = [records[int(i)] for i in order[start : start + config.batch_size]]
         gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
-        return make_batch(chosen, dcfg.block_size, config.num_blocks, pad_id, fill_id, gen, config.max_ar_positions)
+        return make_batch(chosen, dcfg.block_size, config.num_blocks, pad_id, fill_id, gen, max_ar_positions)
 
     vocab_index = None
     if config.draft_vocab_loss and dcfg.draft_vocab_size is not None:
@@ -236,7 +241,7 @@ def train(
             for name in ("position_ids", "block_ids", "is_slot", "anchors"):
                 setattr(batch.layout, name, getattr(batch.layout, name).to(accelerator.device))
             with accelerator.accumulate(model):
-                loss, metrics = d3d_loss(model, batch, config.ar_weight, config.slot_decay, vocab_index)
+                loss, metrics = d3d_loss(model, batch, config.ar_weight, config.slot_decay, vocab_index, frozen_context)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, 1.0)
