@@ -28,7 +28,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         target = resolve_target(args.target)
         tokenizer = AutoTokenizer.from_pretrained(target)
     else:
-        target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype))
+        target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=_device(args.device))
     cfg = DistillConfig(
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
@@ -580,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate nothing more: finish an interrupted run (same arguments) with the prompts answered so far "
         "(its meta.json says partial), so that it can be trained on",
     )
+    _add_device(p)
     p.set_defaults(func=_cmd_distill)
 
     p = sub.add_parser(

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # One call on a machine with a GPU, for what a CPU cannot measure. Steps, in order (STEPS picks some):
 #   check  scripts/gpu_check.py: the packed pass beside the verify forward, greedy equality (plain and exact)
-#   train  scripts/gpu_train_whole.py: the committed whole-LM drafter trained on for BUDGET seconds, two settings
+#   distill  more of the target's own answers, on the GPU (sharegpt:train 5200-11199, which no committed file
+#          holds), for DISTILL_BUDGET seconds at most, packed into OUT as a token file for the train step
+#   train  scripts/gpu_train_whole.py: the committed whole-LM drafter trained on for BUDGET seconds (TRAIN_SETTINGS)
 #   tau    eval-tau on the GPU: the committed whole-LM drafter and what training made of it
 #   bench  bench on the GPU: plain, prompt lookup and the D3D paths (d3d_fused for whole-LM drafters), for the
 #          4-layer drafter, the committed whole LM and the new one
-# Usage: scripts/gpu_session.sh OUT [BUDGET]. OUT receives at most 5 files: the new adapters as tar parts of at most
-# 15 MiB (all30.tar.NN) and results.tar (every log, table and JSON). Offline: the target must be in the local cache.
+# Usage: scripts/gpu_session.sh OUT [BUDGET]. OUT receives at most 6 files: the new adapters as tar parts of at most
+# 15 MiB (all30.tar.NN), the new token file and results.tar (every log, table and JSON). Offline: the target must be in the local cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: scripts/gpu_session.sh OUT [BUDGET]}"
 BUDGET="${2:-240}"
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
-STEPS="${STEPS:-check train tau bench}"
+STEPS="${STEPS:-check distill train tau bench}"
+DISTILL_PROMPTS="${DISTILL_PROMPTS:-6000}" DISTILL_BUDGET="${DISTILL_BUDGET:-150}" EXTRA_DATA=""
 NUM_PROMPTS="${NUM_PROMPTS:-10}" MAX_NEW="${MAX_NEW:-128}" BATCH="${BATCH:-16}"
 # transformers 5.25 fetches its Hub kernels on a train/eval switch when they are on, which fails offline
 export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}" PYTHONUNBUFFERED=1
@@ -27,9 +30,21 @@ if has check; then
     timeout 200 "$PY" scripts/gpu_check.py --layers 3 > "$WORK/results/gpu_check.txt" 2>&1
     cat "$WORK/results/gpu_check.txt"
 fi
+if has distill; then
+    DIST="$WORK/distill/sharegpt_train_5200"
+    args=(--device "$DEVICE" --prompts sharegpt:train --skip-prompts 5200 --num-prompts "$DISTILL_PROMPTS" --dtype bfloat16
+          --max-new-tokens 256 --max-prompt-tokens 384 --batch-size 256 --out "$DIST")
+    timeout "$DISTILL_BUDGET" "$PY" -m hf_d3d.cli distill "${args[@]}" > "$WORK/results/distill.txt" 2>&1
+    # cut short by the budget: keep the prompts answered so far
+    [ -f "$DIST/meta.json" ] || "$PY" -m hf_d3d.cli distill "${args[@]}" --finish-partial >> "$WORK/results/distill.txt" 2>&1
+    "$PY" -m hf_d3d.cli pack-data --data "$DIST" --out-dir "$OUT" 2>&1 | tee -a "$WORK/results/distill.txt"
+    [ -f "$OUT/sharegpt_train_5200.safetensors" ] && EXTRA_DATA="$OUT/sharegpt_train_5200.safetensors"
+fi
 if has train; then
+    # all30 alone by default: the committed drafter has adapters in every layer, so top10 now differs in lr only
     "$PY" scripts/gpu_train_whole.py --budget-s "$BUDGET" --batch-size "$BATCH" --out "$WORK/train" \
-        --work "$WORK/runs" > "$WORK/results/train.txt" 2>&1
+        --work "$WORK/runs" --settings "${TRAIN_SETTINGS:-all30}" ${EXTRA_DATA:+--extra-data "$EXTRA_DATA"} \
+        > "$WORK/results/train.txt" 2>&1
     grep "seconds per step\|exit\|exported" "$WORK/results/train.txt"
     cp "$WORK/train/summary.json" "$WORK/results/train_summary.json" 2>/dev/null
     cp "$WORK"/train/all30.tar.* "$OUT"/ 2>/dev/null

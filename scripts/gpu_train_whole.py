@@ -29,7 +29,7 @@ SETTINGS = {
 
 
 def launch(name: str, extra: list[str], steps: int, out: Path, args: argparse.Namespace) -> subprocess.Popen:
-    data = sorted(str(p) for p in Path("data/distill/SmolLM2-135M-Instruct").glob("*.safetensors"))
+    data = sorted(str(p) for p in Path("data/distill/SmolLM2-135M-Instruct").glob("*.safetensors")) + args.extra_data
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
     cmd += ["--mixed_precision", "bf16", "--dynamo_backend", "no", "-m", "hf_d3d.cli", "train"]
     cmd += ["--init-from", INIT, "--data", *data, "--num-blocks", "32", "--batch-size", str(args.batch_size)]
@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--probe-steps", type=int, default=24)
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--extra-data", nargs="*", default=[], help="token files or distill folders to train on too")
     args = parser.parse_args()
     work, dest = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)

@@ -342,6 +342,8 @@ def distill(
             "skipped_long": len(prompts) - len(wanted),
             **asdict(config),
             **({"dtype": settings["dtype"]} if "dtype" in settings else {}),
+            # provenance only: kernels differ by device, so a resumed run's answers may come from two of them
+            **({} if isinstance(target, str) else {"device": str(target.device)}),
         },
     )
     return out
