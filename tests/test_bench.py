@@ -144,7 +144,7 @@ def test_published_commands_show_the_home_folder_as_tilde(monkeypatch, tmp_path)
     assert _shown("checkpoints/x") == "checkpoints/x"
 
 
-@pytest.mark.parametrize("command", ["bench", "eval-tau", "calibrate"])
+@pytest.mark.parametrize("command", ["bench", "eval-tau", "calibrate", "distill"])
 def test_a_device_that_is_not_there_is_refused_up_front(command, monkeypatch, capsys, tmp_path):
     """`--device auto` (the default) is the GPU where there is one; a GPU asked for on a machine without one, or a
     device torch does not know, is a clear error before any model loads or any file is written."""
@@ -155,7 +155,12 @@ def test_a_device_that_is_not_there_is_refused_up_front(command, monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli._device("auto") == torch.device("cpu") and cli._device("cpu") == torch.device("cpu")
     monkeypatch.setattr(cli, "_update_metrics", lambda *a: pytest.fail("nothing may be written"))
-    extra = {"bench": ["--out", str(tmp_path / "r.json")], "eval-tau": ["--drafter", str(tmp_path)], "calibrate": []}
+    extra = {
+        "bench": ["--out", str(tmp_path / "r.json")],
+        "eval-tau": ["--drafter", str(tmp_path)],
+        "calibrate": [],
+        "distill": ["--prompts", "gsm8k:train", "--num-prompts", "2", "--out", str(tmp_path / "d")],
+    }
     for device, message in (("cuda", "CUDA is not available"), ("tpu9", "not a device torch knows")):
         assert cli.main([command, "--device", device, *extra[command]]) == 2
         assert message in capsys.readouterr().err

@@ -59,7 +59,8 @@ def test_distill_resumes_and_marks_completion(toy, tmp_path):
     records = load_records(tmp_path)
     assert sorted(r["idx"] for r in records) == list(range(6))
     assert (tmp_path / "records.jsonl").read_text().startswith(first)
-    assert json.loads((tmp_path / "meta.json").read_text())["num_records"] == 6
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["num_records"] == 6 and meta["device"] == "cpu"  # provenance: where the answers were generated
 
 
 def test_a_run_cut_short_can_be_finished_as_partial(toy, tmp_path):
