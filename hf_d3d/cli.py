@@ -20,6 +20,8 @@ def _cmd_distill(args: argparse.Namespace) -> None:
     # The slice is part of the source, so two folders from one prompt set say which prompts each holds.
     skip = args.skip_prompts
     source = f"{args.prompts}[{skip}:{skip + len(prompts)}]" if skip else args.prompts
+    if args.backend == "vllm" and args.device not in ("auto", "cuda"):
+        raise ValueError("--device applies to the transformers backend; vLLM places the model itself")
     if args.backend == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
         from transformers import AutoTokenizer
 

@@ -12,23 +12,24 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: scripts/gpu_session.sh OUT [BUDGET]}"
-BUDGET="${2:-240}"
+BUDGET="${2:-200}"
 PY="${PYTHON:-python3}"
 DEVICE="${DEVICE:-cuda}"
-STEPS="${STEPS:-check distill train tau bench}"
-DISTILL_PROMPTS="${DISTILL_PROMPTS:-6000}" DISTILL_BUDGET="${DISTILL_BUDGET:-150}" EXTRA_DATA=""
+STEPS="${STEPS:-distill train tau}"  # fits one 10-minute call; then STEPS="check bench" with the same WORK
+DISTILL_PROMPTS="${DISTILL_PROMPTS:-6000}" DISTILL_BUDGET="${DISTILL_BUDGET:-120}" EXTRA_DATA=""
 NUM_PROMPTS="${NUM_PROMPTS:-10}" MAX_NEW="${MAX_NEW:-128}" BATCH="${BATCH:-16}"
 # transformers 5.25 fetches its Hub kernels on a train/eval switch when they are on, which fails offline
 export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}" PYTHONUNBUFFERED=1
-WORK="$(mktemp -d)"
+WORK="${WORK:-$(mktemp -d)}"  # a second call with the same WORK finds the first one's drafter
 NEW="$WORK/whole_all30"
 SETS=gsm8k:test,humaneval,sharegpt:heldout
 mkdir -p "$OUT" "$WORK/results"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+save() { tar -cf "$OUT/results.tar" -C "$WORK" results; }  # after every step: a call cut short keeps what ran
 
 if has check; then
     timeout 200 "$PY" scripts/gpu_check.py --layers 3 > "$WORK/results/gpu_check.txt" 2>&1
-    cat "$WORK/results/gpu_check.txt"
+    cat "$WORK/results/gpu_check.txt"; save
 fi
 if has distill; then
     DIST="$WORK/distill/sharegpt_train_5200"
@@ -38,7 +39,7 @@ if has distill; then
     # cut short by the budget: keep the prompts answered so far
     [ -f "$DIST/meta.json" ] || "$PY" -m hf_d3d.cli distill "${args[@]}" --finish-partial >> "$WORK/results/distill.txt" 2>&1
     "$PY" -m hf_d3d.cli pack-data --data "$DIST" --out-dir "$OUT" 2>&1 | tee -a "$WORK/results/distill.txt"
-    [ -f "$OUT/sharegpt_train_5200.safetensors" ] && EXTRA_DATA="$OUT/sharegpt_train_5200.safetensors"
+    [ -f "$OUT/sharegpt_train_5200.safetensors" ] && EXTRA_DATA="$OUT/sharegpt_train_5200.safetensors"; save
 fi
 if has train; then
     # all30 alone by default: the committed drafter has adapters in every layer, so top10 now differs in lr only
@@ -53,6 +54,7 @@ if has train; then
         cp hf_d3d/modeling/*_d3d.py "$WORK/whole_$run"/
         cp "$WORK/runs/$run.log" "$WORK/results/train_$run.log" 2>/dev/null
     done
+    save
 fi
 if has tau; then
     for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10"; do
@@ -61,6 +63,7 @@ if has tau; then
         "$PY" -m hf_d3d.cli eval-tau --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
             --max-new-tokens "$MAX_NEW" --fixed-length 2>&1 | grep "tau "
     done | tee "$WORK/results/tau.txt"
+    save
 fi
 if has bench; then
     for d in checkpoints/SmolLM2-135M-Instruct-D3D checkpoints/SmolLM2-135M-Instruct-D3D-whole "$NEW"; do
@@ -71,7 +74,7 @@ if has bench; then
         "$PY" -m hf_d3d.cli bench --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
             --max-new-tokens "$MAX_NEW" --methods "$methods" \
             --out "$WORK/results/bench_$name.json" > "$WORK/results/bench_$name.txt" 2>&1
-        echo "$name"; grep "^|\|FAILED" "$WORK/results/bench_$name.txt"
+        echo "$name"; grep "^|\|FAILED" "$WORK/results/bench_$name.txt"; save
     done
 fi
 tar -cf "$OUT/results.tar" -C "$WORK" results

@@ -47,7 +47,7 @@ def main() -> None:
     records = load_records(*args.data)
 
     def batches_with(max_ar_positions: int) -> list:
-        gen = torch.Generator().manual_seed(0)  # the same anchors whatever the next-token labels
+        gen = torch.Generator().manual_seed(0)  # the same records; the anchors may differ
         return [
             make_batch(
                 records[i * args.batch_size : (i + 1) * args.batch_size],

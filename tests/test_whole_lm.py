@@ -184,7 +184,10 @@ def test_training_block_adapters_keeps_the_lms_predictions(tmp_path):
     drafter = _with_adapters("qwen3", rank=4, layers=[2])
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
     cfg = TrainConfig(max_steps=3, batch_size=4, lr=1e-2, warmup_steps=1, eval_every=100, adapters_only=True)
+    passes = []
+    drafter.model.register_forward_hook(lambda module, args, out: passes.append(out.requires_grad))
     trained = D3DDrafterModel.from_pretrained(train(drafter, records, tmp_path / "run", cfg))
+    assert passes == [False, True] * 3  # every step: the context without autograd, then the blocks
     assert trained.config.block_adapter_rank == 4 and trained.config.block_adapter_layers == [2]
     changed = {k for k, v in trained.state_dict().items() if not torch.equal(v, start[k])}
     assert changed and all("block_adapters" in k for k in changed)
@@ -262,3 +265,15 @@ def test_frozen_context_gives_the_same_loss_and_gradients(family, layers, seed):
     for name, grad in grads[False][1].items():
         torch.testing.assert_close(grads[True][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert any(g.abs().sum() > 0 for g in grads[True][1].values())
+
+
+def test_frozen_context_is_refused_where_it_would_lose_gradients():
+    from hf_d3d.train.objective import d3d_loss, make_batch
+
+    drafter = _with_adapters("llama", rank=4)
+    records = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11, EOS]}]
+    batch = make_batch(records, 4, 2, 0, 0, torch.Generator().manual_seed(0), max_ar_positions=0)
+    with pytest.raises(ValueError, match="block adapters alone"):  # the embeddings are trainable here
+        d3d_loss(drafter, batch, frozen_context=True)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        drafter(batch.input_ids, layout=batch.layout, use_cache=True, frozen_context=True)

@@ -312,7 +312,9 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         elif cache is None and (use_cache or self.config.use_cache):
             cache = DynamicCache()
         n = layout.num_context
-        if frozen_context and torch.is_grad_enabled() and cache is None and 0 < n < input_ids.shape[1]:
+        if frozen_context and cache is not None:
+            raise ValueError("frozen_context is for training: pass use_cache=False")
+        if frozen_context and torch.is_grad_enabled() and 0 < n < input_ids.shape[1]:
             keys = DynamicCache()
             with torch.no_grad():
                 context = self.model(input_ids[:, :n], None, layout.position_ids[:, :n], mask[..., :n, :n], keys, n)

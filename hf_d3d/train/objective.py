@@ -55,7 +55,9 @@ def make_batch(
         labels = torch.full((ids.shape[1],), IGNORE, dtype=torch.long)
         # Auxiliary AR loss: context position i predicts token i + 1, on response tokens only.
         ar_pos = torch.arange(n_prompt - 1, n - 1)
-        if max_ar_positions is not None and len(ar_pos) > max_ar_positions:
+        if max_ar_positions == 0:  # no draw: the anchors stay those of a run with no limit
+            ar_pos = ar_pos[:0]
+        elif max_ar_positions is not None and len(ar_pos) > max_ar_positions:
             ar_pos = ar_pos[torch.randperm(len(ar_pos), generator=generator)[:max_ar_positions]]
         labels[ar_pos] = seq_t[ar_pos + 1]
         slot_index = torch.full((ids.shape[1],), -1, dtype=torch.long)
@@ -101,6 +103,9 @@ def d3d_loss(
     restrict = {"draft_logits": True} if vocab_index is not None else {}
     # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
     if frozen_context:
+        thawed = [n for n, p in drafter.named_parameters() if p.requires_grad and "block_adapters" not in n]
+        if thawed:  # their gradient from the context rows would be lost
+            raise ValueError(f"frozen_context needs block adapters alone trainable; also trainable: {thawed[:3]}")
         restrict["frozen_context"] = True
     out = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has_label, **restrict)
     logits = out.logits.float()
