@@ -647,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         help="response positions per sequence that carry the auxiliary next-token loss (0: all of them; a whole-LM "
-        "drafter keeps its next-token predictions, which its first slot reads, with more)",
+        "drafter keeps its next-token predictions, which its first slot reads, with more). Unused with "
+        "--block-adapter-rank: the context is then the frozen LM's, whose next-token loss has no gradient",
     )
     p.add_argument("--slot-decay", type=float, default=0.8)
     p.add_argument(
