@@ -258,7 +258,7 @@ def test_training_a_drafter_with_a_draft_vocab_keeps_it(tmp_path, monkeypatch):
     target = TARGETS["llama"]
     seen = []
     real_loss = trainer.d3d_loss
-    monkeypatch.setattr(trainer, "d3d_loss", lambda *a: seen.append(a[-1]) or real_loss(*a))
+    monkeypatch.setattr(trainer, "d3d_loss", lambda *a, **k: seen.append(a[4]) or real_loss(*a, **k))
     records = [{"idx": i, "prompt_ids": [5, 6, 7 + i], "response_ids": [9, 12, 15, 18, 21, EOS]} for i in range(4)]
     cfg = trainer.TrainConfig(max_steps=2, batch_size=2, save_every=1000, eval_every=1000)
     final = D3DDrafterModel.from_pretrained(trainer.train(restricted(target), records, tmp_path / "a", cfg))

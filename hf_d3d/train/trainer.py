@@ -241,7 +241,9 @@ def train(
             for name in ("position_ids", "block_ids", "is_slot", "anchors"):
                 setattr(batch.layout, name, getattr(batch.layout, name).to(accelerator.device))
             with accelerator.accumulate(model):
-                loss, metrics = d3d_loss(model, batch, config.ar_weight, config.slot_decay, vocab_index, frozen_context)
+                loss, metrics = d3d_loss(
+                    model, batch, config.ar_weight, config.slot_decay, vocab_index, frozen_context=frozen_context
+                )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, 1.0)
