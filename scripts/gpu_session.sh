@@ -77,5 +77,5 @@ if has bench; then
         echo "$name"; grep "^|\|FAILED" "$WORK/results/bench_$name.txt"; save
     done
 fi
-tar -cf "$OUT/results.tar" -C "$WORK" results
+save
 ls -la "$OUT"
