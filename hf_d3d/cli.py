@@ -105,6 +105,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
         freeze_layers=args.freeze_layers,
         adapters_only=args.block_adapter_rank > 0,
         draft_vocab_loss=not args.full_vocab_loss,
+        kd_weight=args.kd_weight,
+        kd_temperature=args.kd_temperature,
         mixed_precision=args.mixed_precision,
         save_dtype=args.save_dtype,
         eval_every=args.eval_every,
@@ -660,6 +662,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="train over the full vocabulary even when the drafter has a draft vocabulary (the default trains the "
         "softmax it proposes from)",
     )
+    p.add_argument(
+        "--kd-weight",
+        type=float,
+        default=0.0,
+        help="with --block-adapter-rank on a drafter built on the target itself: each slot also learns the target's "
+        "next-token distribution (KL, this weight), read off the frozen context rows of the same forward",
+    )
+    p.add_argument("--kd-temperature", type=float, default=1.0, help="softmax temperature of --kd-weight's KL")
     p.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
     p.add_argument(
         "--save-dtype",

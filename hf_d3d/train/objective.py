@@ -2,6 +2,7 @@
 
 A batch holds whole sequences (prompt + response) as clean context followed by mask blocks anchored at random
 response positions, all in one forward with the D3D attention pattern. Loss is taken on response tokens only.
+A drafter built on the target itself can also learn from the target's soft labels, read off the same forward.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class D3DBatch:
     layout: D3DLayout
     labels: torch.LongTensor  # [b, T]: the token each position must predict, IGNORE where no loss
     slot_index: torch.LongTensor  # [b, T]: slot number j inside its block, -1 for context tokens
+    # [b, T]: for a slot with a label, the context row that predicts the same token (anchor + j), else -1
+    teacher_row: torch.LongTensor | None = None
 
 
 def make_batch(
@@ -36,7 +39,7 @@ def make_batch(
     """Build one training batch from distillation records (``prompt_ids`` + ``response_ids`` each)."""
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
     width = max(len(s) for s in seqs)
-    all_ids, all_labels, layouts, all_slots = [], [], [], []
+    all_ids, all_labels, layouts, all_slots, all_teacher = [], [], [], [], []
     for rec, seq in zip(records, seqs):
         n_prompt, n = len(rec["prompt_ids"]), len(seq)
         if len(rec["response_ids"]) == 0:
@@ -61,6 +64,7 @@ def make_batch(
             ar_pos = ar_pos[torch.randperm(len(ar_pos), generator=generator)[:max_ar_positions]]
         labels[ar_pos] = seq_t[ar_pos + 1]
         slot_index = torch.full((ids.shape[1],), -1, dtype=torch.long)
+        teacher_row = torch.full((ids.shape[1],), -1, dtype=torch.long)
         for b, anchor in enumerate(anchors):
             start = width + b * block_size
             for j in range(block_size):
@@ -68,10 +72,12 @@ def make_batch(
                 slot_index[start + j] = j
                 if target_pos < n:  # slots past the end of the sequence carry no loss
                     labels[start + j] = seq[target_pos]
+                    teacher_row[start + j] = target_pos - 1
         all_ids.append(ids)
         all_labels.append(labels)
         layouts.append(layout)
         all_slots.append(slot_index)
+        all_teacher.append(teacher_row)
     layout = D3DLayout(
         position_ids=torch.cat([lay.position_ids for lay in layouts]),
         block_ids=torch.cat([lay.block_ids for lay in layouts]),
@@ -80,7 +86,9 @@ def make_batch(
         past_length=0,
         num_context=width,
     )
-    return D3DBatch(torch.cat(all_ids), layout, torch.stack(all_labels), torch.stack(all_slots))
+    return D3DBatch(
+        torch.cat(all_ids), layout, torch.stack(all_labels), torch.stack(all_slots), torch.stack(all_teacher)
+    )
 
 
 def d3d_loss(
@@ -90,16 +98,32 @@ def d3d_loss(
     slot_decay: float = 0.8,
     vocab_index: torch.Tensor | None = None,
     frozen_context: bool = False,
+    kd_weight: float = 0.0,
+    kd_temperature: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Total loss = slot-weighted denoising CE + ``ar_weight`` * next-token CE. Logits only where there is a label.
+    """Total loss = slot-weighted denoising CE + ``ar_weight`` * next-token CE (+ ``kd_weight`` * slot-weighted KD).
+    Logits only where they are needed.
 
     ``vocab_index`` (token id -> position in the drafter's draft vocabulary, ``IGNORE`` outside it) trains the
     softmax over the draft vocabulary, which is exactly what the drafter proposes from; tokens outside it, which
     it can never propose, carry no loss.
     ``frozen_context``: block adapters are the only trainable weights, so the context needs no autograd (see the
     drafter's ``forward``); the batch should then carry no next-token labels, which could have no gradient.
+    ``kd_weight``: soft labels from the same forward. With ``frozen_context`` the context rows are the frozen LM's
+    next-token distributions; when that LM is the target itself (the trainer checks), context row ``anchor + j``
+    is the target's distribution over the very token slot ``j`` predicts. Each slot then also learns
+    ``KL(teacher || slot)`` at ``kd_temperature`` (scaled by its square), weighted as its cross-entropy.
     """
+    if kd_weight and not frozen_context:
+        raise ValueError("kd_weight needs frozen_context: only then are the context rows the frozen LM's own")
+    if kd_weight and batch.teacher_row is None:
+        raise ValueError("kd_weight needs the batch's teacher rows (make_batch builds them)")
     has_label = batch.labels != IGNORE
+    keep = has_label
+    if kd_weight:
+        b, t = (batch.teacher_row >= 0).nonzero(as_tuple=True)
+        keep = has_label.clone()
+        keep[b, batch.teacher_row[b, t]] = True
     restrict = {"draft_logits": True} if vocab_index is not None else {}
     # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
     if frozen_context:
@@ -107,8 +131,10 @@ def d3d_loss(
         if thawed:  # their gradient from the context rows would be lost
             raise ValueError(f"frozen_context needs block adapters alone trainable; also trainable: {thawed[:3]}")
         restrict["frozen_context"] = True
-    out = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=has_label, **restrict)
-    logits = out.logits.float()
+    out = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=keep, **restrict)
+    kept = out.logits.float()
+    row_of = keep.flatten().cumsum(0).view_as(keep) - 1  # (sequence, position) -> row of the kept logits
+    logits = kept if keep is has_label else kept[row_of[has_label]]
     labels, is_slot, slot_index = batch.labels[has_label], batch.layout.is_slot[has_label], batch.slot_index[has_label]
     if vocab_index is not None:
         labels = vocab_index[labels]
@@ -122,10 +148,21 @@ def d3d_loss(
     has_ar = bool((ar_labels != IGNORE).any())
     ar = F.cross_entropy(logits[~is_slot], ar_labels, ignore_index=IGNORE) if has_ar else logits.sum() * 0
     total = denoise + ar_weight * ar
+    if kd_weight:
+        seq = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[has_label][is_slot]
+        teacher = kept[row_of[seq, batch.teacher_row[has_label][is_slot]]].detach()
+        temp = kd_temperature
+        kl = F.kl_div(
+            F.log_softmax(slot_logits / temp, -1), F.log_softmax(teacher / temp, -1), reduction="none", log_target=True
+        ).sum(-1)
+        kd = (kl * weights).sum() / weights.sum().clamp_min(1e-6) * temp**2
+        total = total + kd_weight * kd
     with torch.no_grad():
         slot0 = (slot_index[is_slot] == 0) & (slot_labels != IGNORE)
         acc0 = (slot_logits[slot0].argmax(-1) == slot_labels[slot0]).float().mean() if slot0.any() else 0
     metrics = {"loss": total.item(), "denoise": denoise.item(), "slot0_acc": float(acc0)}
     if has_ar:
         metrics["ar"] = ar.item()
+    if kd_weight:
+        metrics["kd"] = kd.item()
     return total, metrics

@@ -79,6 +79,10 @@ class TrainConfig:
     adapters_only: bool = False
     # With a draft vocabulary, train the softmax the drafter proposes from (and skip most of the LM head).
     draft_vocab_loss: bool = True
+    # Soft labels (adapters_only, a drafter built on the target itself): each slot also learns the target's
+    # next-token distribution for its token, read off the frozen context rows of the same forward.
+    kd_weight: float = 0.0
+    kd_temperature: float = 1.0
     mixed_precision: str = "no"
     save_dtype: str = "float32"  # of the final weights only; checkpoints stay fp32 so that a resume loses nothing
     eval_every: int = 200
@@ -94,6 +98,28 @@ class TrainConfig:
             raise ValueError(f"freeze_layers must be at least 0, got {self.freeze_layers}")
         if self.num_blocks < 0:  # 0 is the AR peer's objective: no denoising blocks
             raise ValueError(f"num_blocks must be at least 0, got {self.num_blocks}")
+        if self.kd_weight < 0 or self.kd_temperature <= 0:
+            raise ValueError(f"need kd_weight >= 0 and kd_temperature > 0, got {self.kd_weight}, {self.kd_temperature}")
+        if self.kd_weight and not self.adapters_only:
+            raise ValueError("kd_weight needs adapters_only: the soft labels are the frozen context rows")
+
+
+def check_teacher(drafter: PreTrainedModel, target: PreTrainedModel, ids: list[int], tol: float = 0.02) -> None:
+    """Refuse soft labels unless the drafter's context rows are the target's own next-token distribution (a
+    drafter converted from the target itself, all layers kept): compared on ``ids``, no probability may differ by
+    more than ``tol``."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        mine = drafter(x.to(drafter.device), use_cache=False).logits.float().softmax(-1).cpu()
+        theirs = target(x.to(target.device)).logits.float().softmax(-1).cpu()
+    n = min(mine.shape[-1], theirs.shape[-1])
+    gap = (mine[..., :n] - theirs[..., :n]).abs().max().item()
+    if gap > tol:
+        base = getattr(drafter.config, "base_model", None)
+        raise ValueError(
+            f"soft labels (kd_weight) need a drafter built on the target itself; this one (base {base!r}) differs "
+            f"from the target's next-token probabilities by up to {gap:.3f}"
+        )
 
 
 def validate_records(records: list[dict], vocab_size: int, max_positions: int, block_size: int) -> None:
@@ -194,6 +220,10 @@ def train(
         for layer in drafter.model.layers[: config.freeze_layers]:
             layer.requires_grad_(False)
     drafter.train()
+    if config.kd_weight:
+        if target is None:
+            raise ValueError("kd_weight needs the target, to check that the soft labels are its own")
+        check_teacher(drafter, target, records[0]["prompt_ids"] + records[0]["response_ids"])
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     if step:
@@ -238,11 +268,19 @@ def train(
             batch.input_ids = batch.input_ids.to(accelerator.device)
             batch.labels = batch.labels.to(accelerator.device)
             batch.slot_index = batch.slot_index.to(accelerator.device)
+            batch.teacher_row = batch.teacher_row.to(accelerator.device)
             for name in ("position_ids", "block_ids", "is_slot", "anchors"):
                 setattr(batch.layout, name, getattr(batch.layout, name).to(accelerator.device))
             with accelerator.accumulate(model):
                 loss, metrics = d3d_loss(
-                    model, batch, config.ar_weight, config.slot_decay, vocab_index, frozen_context=frozen_context
+                    model,
+                    batch,
+                    config.ar_weight,
+                    config.slot_decay,
+                    vocab_index,
+                    frozen_context=frozen_context,
+                    kd_weight=config.kd_weight,
+                    kd_temperature=config.kd_temperature,
                 )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -255,7 +293,8 @@ def train(
         metrics["step"], metrics["lr"] = step, scheduler.get_last_lr()[0]
         metrics["elapsed_s"] = round(elapsed + time.perf_counter() - started, 2)
         bar.update(1)
-        bar.set_postfix({k: round(v, 3) for k, v in metrics.items() if k in ("loss", "denoise", "ar", "slot0_acc")})
+        shown = ("loss", "denoise", "ar", "kd", "slot0_acc")
+        bar.set_postfix({k: round(v, 3) for k, v in metrics.items() if k in shown})
         if (
             accelerator.is_main_process
             and target is not None
