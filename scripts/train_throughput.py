@@ -29,6 +29,8 @@ SHAPES = {  # name: (how to build, layers frozen from the bottom)
     "adapters-30": ("adapters", 0),
     "adapters-30-no-ar": ("adapters", 0),
     "adapters-30-frozen-context": ("adapters", 0),
+    # the same, plus the target's soft labels from the frozen context rows (`--kd-weight`)
+    "adapters-30-frozen-context-kd": ("adapters", 0),
 }
 
 
@@ -78,7 +80,8 @@ def main() -> None:
             if kind == "adapters":
                 for pname, p in drafter.named_parameters():
                     p.requires_grad_("block_adapters" in pname)
-            frozen_context = name.endswith("frozen-context")
+            frozen_context = "frozen-context" in name
+            kd_weight = 1.0 if name.endswith("-kd") else 0.0
             # next-token labels have no gradient when the context is frozen, so the trainer builds none
             chosen = block_only if frozen_context or name.endswith("no-ar") else batches
             if frozen:
@@ -91,7 +94,7 @@ def main() -> None:
             for i, batch in enumerate(chosen):
                 start = time.perf_counter()
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    loss, _ = d3d_loss(drafter, batch, frozen_context=frozen_context)
+                    loss, _ = d3d_loss(drafter, batch, frozen_context=frozen_context, kd_weight=kd_weight)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()

@@ -3,6 +3,7 @@ context rows of the training forward, as a KL term beside each slot's cross-entr
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -68,7 +69,7 @@ def test_soft_labels_are_the_targets_own_distribution(family, temperature, seed)
     batch = make_batch(_records(), 4, 3, 0, 0, torch.Generator().manual_seed(seed), max_ar_positions=0)
     loss, metrics = d3d_loss(drafter, batch, frozen_context=True, kd_weight=0.5, kd_temperature=temperature)
     plain_loss, plain = d3d_loss(drafter, batch, frozen_context=True)
-    loss.backward()
+    (loss - plain_loss).backward()  # the KD term alone
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
     torch.testing.assert_close(metrics["denoise"], plain["denoise"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss.item(), plain_loss.item() + 0.5 * metrics["kd"], rtol=1e-5, atol=1e-6)
@@ -96,9 +97,20 @@ def test_soft_labels_are_refused_where_they_would_not_be_the_targets():
         TrainConfig(kd_weight=1.0)
     with pytest.raises(ValueError, match="kd_temperature"):
         TrainConfig(kd_weight=1.0, kd_temperature=0.0, adapters_only=True)
-    check_teacher(drafter, TARGETS["llama"], [5, 6, 7, 8, 9])
+    with pytest.raises(ValueError, match="num_blocks"):
+        TrainConfig(kd_weight=1.0, adapters_only=True, num_blocks=0)
+    ids = [5, 6, 7, 8, 9, 10, 11, 12]
+    check_teacher(drafter, TARGETS["llama"], ids)
+    check_teacher(drafter, copy.deepcopy(TARGETS["llama"]).to(torch.bfloat16), ids)  # bf16 rounding is no reason
+    with pytest.raises(ValueError, match="built on the target itself"):  # the target's own layers, not all of them
+        check_teacher(
+            D3DDrafterModel.from_target(TARGETS["llama"], num_hidden_layers=2, block_size=4), TARGETS["llama"], ids
+        )
     with pytest.raises(ValueError, match="built on the target itself"):  # another LM's distribution
-        check_teacher(drafter, TARGETS["qwen3"], [5, 6, 7, 8, 9])
+        check_teacher(drafter, TARGETS["qwen3"], ids)
+    batch.teacher_row = torch.full_like(batch.teacher_row, -1)
+    with pytest.raises(ValueError, match="no teacher row"):
+        d3d_loss(drafter, batch, frozen_context=True, kd_weight=1.0)
 
 
 def test_training_with_soft_labels_logs_them_and_stays_lossless(tmp_path):

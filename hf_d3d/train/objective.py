@@ -121,9 +121,11 @@ def d3d_loss(
     has_label = batch.labels != IGNORE
     keep = has_label
     if kd_weight:
-        b, t = (batch.teacher_row >= 0).nonzero(as_tuple=True)
-        keep = has_label.clone()
-        keep[b, batch.teacher_row[b, t]] = True
+        has_teacher = batch.teacher_row >= 0
+        if bool((has_label & batch.layout.is_slot & ~has_teacher).any()):
+            raise ValueError("kd_weight: a labelled slot has no teacher row (build batches with make_batch)")
+        rows = torch.zeros_like(batch.teacher_row).scatter_add_(1, batch.teacher_row.clamp_min(0), has_teacher.long())
+        keep = has_label | (rows > 0)
     restrict = {"draft_logits": True} if vocab_index is not None else {}
     # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
     if frozen_context:

@@ -102,23 +102,25 @@ class TrainConfig:
             raise ValueError(f"need kd_weight >= 0 and kd_temperature > 0, got {self.kd_weight}, {self.kd_temperature}")
         if self.kd_weight and not self.adapters_only:
             raise ValueError("kd_weight needs adapters_only: the soft labels are the frozen context rows")
+        if self.kd_weight and not self.num_blocks:
+            raise ValueError("kd_weight needs num_blocks > 0: soft labels are for the slots of mask blocks")
 
 
-def check_teacher(drafter: PreTrainedModel, target: PreTrainedModel, ids: list[int], tol: float = 0.02) -> None:
+def check_teacher(drafter: PreTrainedModel, target: PreTrainedModel, ids: list[int], tol: float = 0.05) -> None:
     """Refuse soft labels unless the drafter's context rows are the target's own next-token distribution (a
-    drafter converted from the target itself, all layers kept): compared on ``ids``, no probability may differ by
-    more than ``tol``."""
-    x = torch.tensor([ids])
+    drafter converted from the target itself, all layers kept): on the first 64 of ``ids``, the total variation
+    distance between the two distributions may exceed ``tol`` at no position (bf16 rounding stays well below)."""
+    x = torch.tensor([ids[:64]])
     with torch.no_grad():
         mine = drafter(x.to(drafter.device), use_cache=False).logits.float().softmax(-1).cpu()
         theirs = target(x.to(target.device)).logits.float().softmax(-1).cpu()
     n = min(mine.shape[-1], theirs.shape[-1])
-    gap = (mine[..., :n] - theirs[..., :n]).abs().max().item()
+    gap = 0.5 * (mine[..., :n] - theirs[..., :n]).abs().sum(-1).max().item()
     if gap > tol:
         base = getattr(drafter.config, "base_model", None)
         raise ValueError(
-            f"soft labels (kd_weight) need a drafter built on the target itself; this one (base {base!r}) differs "
-            f"from the target's next-token probabilities by up to {gap:.3f}"
+            f"soft labels (kd_weight) need a drafter built on the target itself; this one (base {base!r}) is "
+            f"{gap:.3f} in total variation from the target's next-token distribution"
         )
 
 
