@@ -3,7 +3,8 @@
 #   check  scripts/gpu_check.py: the packed pass beside the verify forward, greedy equality (plain and exact)
 #   distill  more of the target's own answers, on the GPU (sharegpt:train 5200-11199, which no committed file
 #          holds), for DISTILL_BUDGET seconds at most, packed into OUT as a token file for the train step
-#   train  scripts/gpu_train_whole.py: the committed whole-LM drafter trained on for BUDGET seconds (TRAIN_SETTINGS)
+#   train  scripts/gpu_train_whole.py: the committed whole-LM drafter trained on for BUDGET seconds (TRAIN_SETTINGS;
+#          TRAIN_SETTINGS=top10,kd runs the same training with and without the target's soft labels side by side)
 #   tau    eval-tau on the GPU: the committed whole-LM drafter and what training made of it
 #   bench  bench on the GPU: plain, prompt lookup and the D3D paths (d3d_fused for whole-LM drafters), for the
 #          4-layer drafter, the committed whole LM and the new one
@@ -48,8 +49,8 @@ if has train; then
         > "$WORK/results/train.txt" 2>&1
     grep "seconds per step\|exit\|exported" "$WORK/results/train.txt"
     cp "$WORK/train/summary.json" "$WORK/results/train_summary.json" 2>/dev/null
-    cp "$WORK"/train/all30.tar.* "$OUT"/ 2>/dev/null
-    for run in top10 all30; do  # each run's final folder, remote code added, for the steps below
+    cp "$WORK"/train/all30.tar.* "$WORK"/train/kd.tar.* "$OUT"/ 2>/dev/null
+    for run in top10 all30 kd; do  # each run's final folder, remote code added, for the steps below
         mkdir -p "$WORK/whole_$run" && cat "$WORK"/train/$run.tar.* 2>/dev/null | tar -x -C "$WORK/whole_$run"
         cp hf_d3d/modeling/*_d3d.py "$WORK/whole_$run"/
         cp "$WORK/runs/$run.log" "$WORK/results/train_$run.log" 2>/dev/null
@@ -57,7 +58,7 @@ if has train; then
     save
 fi
 if has tau; then
-    for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10"; do
+    for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10" "$WORK/whole_kd"; do
         [ -f "$d/config.json" ] || continue
         echo "$d"
         "$PY" -m hf_d3d.cli eval-tau --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \

@@ -25,6 +25,8 @@ INIT = "checkpoints/SmolLM2-135M-Instruct-D3D-whole"
 SETTINGS = {
     "top10": ["--block-adapter-rank", "64", "--lr", "2e-4"],  # the init's adapters as they are
     "all30": ["--block-adapter-rank", "64", "--widen-block-adapters", "0", "--lr", "4e-4"],  # every layer adapted
+    # top10's run plus the target's soft labels: run "top10,kd" side by side for an A/B of --kd-weight
+    "kd": ["--block-adapter-rank", "64", "--lr", "2e-4", "--kd-weight", "1.0"],
 }
 
 
