@@ -305,7 +305,7 @@ def test_runs_of_accepted_drafts_give_greedy_tokens(family, prompt, max_new, hyp
     )
     assert got.tolist() == want.tolist()
     stats = DRAFTERS[family].last_stats
-    if corrupt == 0.0 and max_new > 8:
+    if corrupt == 0.0 and want.shape[1] - x.shape[1] > 8:  # greedy ran past a block (an early EOS may stop it)
         assert max(stats.acceptance_lengths) >= 2  # whole runs were accepted and committed
 
 
