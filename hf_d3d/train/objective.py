@@ -23,8 +23,14 @@ class D3DBatch:
     layout: D3DLayout
     labels: torch.LongTensor  # [b, T]: the token each position must predict, IGNORE where no loss
     slot_index: torch.LongTensor  # [b, T]: slot number j inside its block, -1 for context tokens
-    # [b, T]: for a slot with a label, the context row that predicts the same token (anchor + j), else -1
-    teacher_row: torch.LongTensor | None = None
+
+
+def teacher_rows(batch: D3DBatch) -> torch.LongTensor:
+    """``[b, T]``: for each slot with a label, the context row that predicts the same token (``anchor + j``, the
+    row before the token slot ``j`` stands for), else -1."""
+    layout = batch.layout
+    rows = layout.anchors - layout.past_length + batch.slot_index
+    return torch.where(layout.is_slot & (batch.labels != IGNORE), rows, -1)
 
 
 def make_batch(
@@ -39,7 +45,7 @@ def make_batch(
     """Build one training batch from distillation records (``prompt_ids`` + ``response_ids`` each)."""
     seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in records]
     width = max(len(s) for s in seqs)
-    all_ids, all_labels, layouts, all_slots, all_teacher = [], [], [], [], []
+    all_ids, all_labels, layouts, all_slots = [], [], [], []
     for rec, seq in zip(records, seqs):
         n_prompt, n = len(rec["prompt_ids"]), len(seq)
         if len(rec["response_ids"]) == 0:
@@ -64,7 +70,6 @@ def make_batch(
             ar_pos = ar_pos[torch.randperm(len(ar_pos), generator=generator)[:max_ar_positions]]
         labels[ar_pos] = seq_t[ar_pos + 1]
         slot_index = torch.full((ids.shape[1],), -1, dtype=torch.long)
-        teacher_row = torch.full((ids.shape[1],), -1, dtype=torch.long)
         for b, anchor in enumerate(anchors):
             start = width + b * block_size
             for j in range(block_size):
@@ -72,12 +77,10 @@ def make_batch(
                 slot_index[start + j] = j
                 if target_pos < n:  # slots past the end of the sequence carry no loss
                     labels[start + j] = seq[target_pos]
-                    teacher_row[start + j] = target_pos - 1
         all_ids.append(ids)
         all_labels.append(labels)
         layouts.append(layout)
         all_slots.append(slot_index)
-        all_teacher.append(teacher_row)
     layout = D3DLayout(
         position_ids=torch.cat([lay.position_ids for lay in layouts]),
         block_ids=torch.cat([lay.block_ids for lay in layouts]),
@@ -86,9 +89,7 @@ def make_batch(
         past_length=0,
         num_context=width,
     )
-    return D3DBatch(
-        torch.cat(all_ids), layout, torch.stack(all_labels), torch.stack(all_slots), torch.stack(all_teacher)
-    )
+    return D3DBatch(torch.cat(all_ids), layout, torch.stack(all_labels), torch.stack(all_slots))
 
 
 def d3d_loss(
@@ -116,19 +117,12 @@ def d3d_loss(
     """
     if kd_weight and not frozen_context:
         raise ValueError("kd_weight needs frozen_context: only then are the context rows the frozen LM's own")
-    if kd_weight and batch.teacher_row is None:
-        raise ValueError("kd_weight needs the batch's teacher rows (make_batch builds them)")
     has_label = batch.labels != IGNORE
     keep = has_label
     if kd_weight:
-        has_teacher = batch.teacher_row >= 0
-        orphan = (has_label & batch.layout.is_slot & ~has_teacher).any()
-        if orphan.device.type == "cpu":  # a host check is free here; on accelerators it would cost a sync
-            if bool(orphan):
-                raise ValueError("kd_weight: a labelled slot has no teacher row (build batches with make_batch)")
-        else:
-            torch._assert_async(~orphan)
-        rows = torch.zeros_like(batch.teacher_row).scatter_add_(1, batch.teacher_row.clamp_min(0), has_teacher.long())
+        teacher_row = teacher_rows(batch)
+        has_teacher = teacher_row >= 0
+        rows = torch.zeros_like(teacher_row).scatter_add_(1, teacher_row.clamp_min(0), has_teacher.long())
         keep = has_label | (rows > 0)
     restrict = {"draft_logits": True} if vocab_index is not None else {}
     # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
@@ -157,7 +151,7 @@ def d3d_loss(
     total = denoise + ar_weight * ar
     if kd_weight:
         seq = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[has_label][is_slot]
-        teacher = kept[row_of[seq, batch.teacher_row[has_label][is_slot]]].detach()
+        teacher = kept[row_of[seq, teacher_row[has_label][is_slot]]].detach()
         temp = kd_temperature
         kl = F.kl_div(
             F.log_softmax(slot_logits / temp, -1), F.log_softmax(teacher / temp, -1), reduction="none", log_target=True

@@ -270,7 +270,6 @@ def train(
             batch.input_ids = batch.input_ids.to(accelerator.device)
             batch.labels = batch.labels.to(accelerator.device)
             batch.slot_index = batch.slot_index.to(accelerator.device)
-            batch.teacher_row = batch.teacher_row.to(accelerator.device)
             for name in ("position_ids", "block_ids", "is_slot", "anchors"):
                 setattr(batch.layout, name, getattr(batch.layout, name).to(accelerator.device))
             with accelerator.accumulate(model):
