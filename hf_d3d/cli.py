@@ -9,6 +9,11 @@ import sys
 from pathlib import Path
 
 
+def _sliced(source: str, skip: int, count: int) -> str:
+    """``source`` as a row or a folder names it: with the prompts' slice when the first ones were skipped."""
+    return f"{source}[{skip}:{skip + count}]" if skip else source
+
+
 def _cmd_distill(args: argparse.Namespace) -> None:
     import torch
 
@@ -18,8 +23,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
 
     prompts = load_prompts(args.prompts, args.field, args.num_prompts, skip=args.skip_prompts)
     # The slice is part of the source, so two folders from one prompt set say which prompts each holds.
-    skip = args.skip_prompts
-    source = f"{args.prompts}[{skip}:{skip + len(prompts)}]" if skip else args.prompts
+    source = _sliced(args.prompts, args.skip_prompts, len(prompts))
     if args.backend == "vllm" and args.device not in ("auto", "cuda"):
         raise ValueError("--device applies to the transformers backend; vLLM places the model itself")
     if args.backend == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
@@ -371,15 +375,17 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         label += f" ({drafter.generation_config.num_assistant_tokens} tokens every round)"
     rows = []
     for source in args.prompts.split(","):
-        ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(source, args.field, args.num_prompts)]
+        prompts = load_prompts(source, args.field, args.num_prompts, skip=args.skip_prompts)
+        ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
         res = measure_tau(target, drafter, ids, args.max_new_tokens, progress=True)
+        skip = f" --skip-prompts {args.skip_prompts}" if args.skip_prompts else ""
         command = (
-            f"hf-d3d eval-tau --drafter {_shown(args.drafter)} --prompts {source} --num-prompts {args.num_prompts} "
-            f"--max-new-tokens {args.max_new_tokens}{mode}"
+            f"hf-d3d eval-tau --drafter {_shown(args.drafter)} --prompts {source} --num-prompts {args.num_prompts}"
+            f"{skip} --max-new-tokens {args.max_new_tokens}{mode}"
         )
         rows.append(
             {
-                "dataset": source + label,
+                "dataset": _sliced(source, args.skip_prompts, len(ids)) + label,
                 "num_prompts": len(ids),
                 "max_new_tokens": args.max_new_tokens,
                 **res,
@@ -387,7 +393,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
             }
         )
         hit = f", hit rate {res['hit_rate']:.1%}" if res["hit_rate"] is not None else ""
-        print(f"{source}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens){hit}")
+        print(f"{rows[-1]['dataset']}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens){hit}")
     if args.write_metrics:
         for row in rows:
             path = _update_metrics(args.drafter, row)
@@ -740,6 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="gsm8k:test,humaneval", help="comma-separated prompt sources")
     p.add_argument("--field", default="question")
     p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--write-metrics", action="store_true", help="record the rows in DRAFTER/d3d_metrics.json")
     _add_device(p)

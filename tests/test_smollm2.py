@@ -177,3 +177,24 @@ def test_bench_records_the_generate_speedup_and_its_setting_on_the_card(tmp_path
     assert row["speedup_setting"].startswith(setting)
     assert row["speedup_setting"].endswith("inside `hf_d3d.skinny_linears(target, drafter)`") == result["skinny"]
     assert f"{row['speedup']:.2f}x ({row['speedup_setting']})" in render_card(folder, "someone/x", load_metrics(folder))
+
+
+def test_eval_tau_measures_a_later_slice_and_names_it(pair, tmp_path):
+    """`--skip-prompts` measures the next prompts of a set (a second sample), and its row and command say which."""
+    import shutil
+
+    from hf_d3d.cli import main
+    from hf_d3d.evaluate import measure_tau
+    from hf_d3d.publish import load_metrics
+    from hf_d3d.targets import load_drafter
+
+    target, tokenizer, _ = pair
+    folder = shutil.copytree(DEFAULT_DRAFTER, tmp_path / "drafter")
+    args = ["eval-tau", "--drafter", str(folder), "--prompts", "gsm8k:test", "--num-prompts", "1"]
+    assert main([*args, "--skip-prompts", "3", "--max-new-tokens", "8", "--fixed-length", "--write-metrics"]) == 0
+    row = next(r for r in load_metrics(folder)["rows"] if r["dataset"].startswith("gsm8k:test[3:4]"))
+    assert "--num-prompts 1 --skip-prompts 3 --max-new-tokens 8" in row["command"]
+    drafter = load_drafter(str(folder))  # as the command loads it
+    drafter.config.round_cost = None  # as --fixed-length sets it
+    expected = measure_tau(target, drafter, [chat_prompt_ids(tokenizer, load_prompts("gsm8k:test")[3])], 8)
+    assert (row["new_tokens"], row["target_forwards"]) == (expected["new_tokens"], expected["target_forwards"])
