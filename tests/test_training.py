@@ -170,6 +170,21 @@ def test_several_folders_merge_without_repeats(toy, tmp_path):
         load_records(a, b)
 
 
+def test_sampled_answers_join_the_greedy_ones_without_repeats(toy, tmp_path):
+    target, prompts = toy
+    greedy, sampled = tmp_path / "greedy", tmp_path / "sampled"
+    distill(target, ToyTokenizer(), prompts[:6], greedy, DistillConfig(max_new_tokens=6, batch_size=4))
+    cfg = DistillConfig(max_new_tokens=6, batch_size=4, do_sample=True, temperature=1.5, seed=3)
+    distill(target, ToyTokenizer(), prompts[2:6], sampled, cfg)
+    g, s = load_records(greedy), load_records(sampled)
+    assert len(g) == 6 and len(s) == 4
+    assert all(a["response_ids"] != b["response_ids"] for a, b in zip(g[2:], s))  # really other answers
+    for order in ((greedy, sampled), (sampled, greedy)):  # the greedy answer is kept beside a sampled one
+        assert len(load_records(*order)) == 10
+    assert len(load_records(greedy, sampled, sampled, greedy)) == 10  # no answer counts twice
+    assert len(load_records(greedy, greedy)) == 6
+
+
 def test_vllm_backend_gives_the_transformers_records(toy, tmp_path, monkeypatch):
     """The vLLM adapter (prompt format, sampling params, outputs, EOS cut) on a stand-in engine with vLLM's API."""
     target, prompts = toy

@@ -90,7 +90,9 @@ def load_records(*sources: str | Path) -> list[dict]:
     """Read finished distillation folders or token files (``hf-d3d pack-data``) in order; an unfinished folder or
     a corrupt file is a clear error.
 
-    A prompt already read (from an earlier source or the same one) is dropped, so one answer never counts twice.
+    One answer never counts twice: a greedy answer to a prompt that already has one is dropped (it is the same
+    answer, up to batch numerics), and so is any answer read before. A sampled source (``do_sample`` in its
+    provenance) adds new answers to prompts a greedy source answered: the target's distribution, not a repeat.
     Sources distilled from differently named targets are refused: they would teach the drafter two models.
     """
     from hf_d3d.train.token_file import read_token_file
@@ -98,30 +100,35 @@ def load_records(*sources: str | Path) -> list[dict]:
     if not sources:
         raise ValueError("No distillation data given.")
     records: list[dict] = []
-    seen: set[tuple[int, ...]] = set()
+    greedy_prompts: set[tuple[int, ...]] = set()
+    answers: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     targets: dict[str, Path] = {}
     for source in map(Path, sources):
         if source.is_file():
             batch, provenance = read_token_file(source)
-            target = Path(provenance.get("target", "")).name
         else:
             if not (source / META).is_file():
                 raise FileNotFoundError(
                     f"{source} is not a finished distillation run (no {META}) nor a token file; resume it with distill."
                 )
             with open(source / META, encoding="utf-8") as f:
-                target = Path(json.load(f).get("target", "")).name
+                provenance = json.load(f)
             with open(source / RECORDS, encoding="utf-8") as f:
                 batch = [json.loads(line) for line in f]
+        target = Path(provenance.get("target", "")).name
+        sampled = bool(provenance.get("do_sample", False))
         targets.setdefault(target, source)
         if len(targets) > 1:
             first, first_source = next(iter(targets.items()))
             raise ValueError(f"{source} was distilled from {target!r}, {first_source} from {first!r}: one target only")
         for record in batch:
-            key = tuple(record["prompt_ids"])
-            if key not in seen:
-                seen.add(key)
-                records.append(record)
+            prompt, answer = tuple(record["prompt_ids"]), tuple(record["response_ids"])
+            if (prompt, answer) in answers or (not sampled and prompt in greedy_prompts):
+                continue
+            answers.add((prompt, answer))
+            if not sampled:
+                greedy_prompts.add(prompt)
+            records.append(record)
     return records
 
 
