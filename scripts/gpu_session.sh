@@ -4,12 +4,13 @@
 #   distill  more of the target's own answers, on the GPU (sharegpt:train 5200-11199, which no committed file
 #          holds), for DISTILL_BUDGET seconds at most, packed into OUT as a token file for the train step
 #   train  scripts/gpu_train_whole.py: the committed whole-LM drafter trained on for BUDGET seconds (TRAIN_SETTINGS;
-#          TRAIN_SETTINGS=top10,kd runs the same training with and without the target's soft labels side by side)
+#          TRAIN_SETTINGS=top10,kd runs the same training with and without the target's soft labels side by side;
+#          TRAIN_SETTINGS=top10,gsm on all the data and on its GSM8K-weighted half side by side)
 #   tau    eval-tau on the GPU: the committed whole-LM drafter and what training made of it
 #   bench  bench on the GPU: plain, prompt lookup and the D3D paths (d3d_fused for whole-LM drafters), for the
-#          4-layer drafter, the committed whole LM and the new one
-# Usage: scripts/gpu_session.sh OUT [BUDGET]. OUT receives at most 6 files: the new adapters as tar parts of at most
-# 15 MiB (all30.tar.NN), the new token file and results.tar (every log, table and JSON). Offline: the target must be in the local cache.
+#          4-layer drafter, the committed whole LM and the new one (NEW_RUN: which setting's drafter, default all30)
+# Usage: scripts/gpu_session.sh OUT [BUDGET]. OUT receives the new adapters of each run but top10 as tar parts of at
+# most 15 MiB (all30.tar.NN, three per run), the new token file and results.tar (every log, table and JSON). Offline: the target must be in the local cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: scripts/gpu_session.sh OUT [BUDGET]}"
@@ -22,7 +23,7 @@ NUM_PROMPTS="${NUM_PROMPTS:-10}" MAX_NEW="${MAX_NEW:-128}" BATCH="${BATCH:-16}"
 # transformers 5.25 fetches its Hub kernels on a train/eval switch when they are on, which fails offline
 export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}" PYTHONUNBUFFERED=1
 WORK="${WORK:-$(mktemp -d)}"  # a second call with the same WORK finds the first one's drafter
-NEW="$WORK/whole_all30"
+NEW="$WORK/whole_${NEW_RUN:-all30}"
 SETS=gsm8k:test,humaneval,sharegpt:heldout
 mkdir -p "$OUT" "$WORK/results"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -49,8 +50,8 @@ if has train; then
         > "$WORK/results/train.txt" 2>&1
     grep "seconds per step\|exit\|exported" "$WORK/results/train.txt"
     cp "$WORK/train/summary.json" "$WORK/results/train_summary.json" 2>/dev/null
-    cp "$WORK"/train/all30.tar.* "$WORK"/train/kd.tar.* "$OUT"/ 2>/dev/null
-    for run in top10 all30 kd; do  # each run's final folder, remote code added, for the steps below
+    cp "$WORK"/train/all30.tar.* "$WORK"/train/kd.tar.* "$WORK"/train/gsm.tar.* "$OUT"/ 2>/dev/null
+    for run in top10 all30 kd gsm; do  # each run's final folder, remote code added, for the steps below
         mkdir -p "$WORK/whole_$run" && cat "$WORK"/train/$run.tar.* 2>/dev/null | tar -x -C "$WORK/whole_$run"
         cp hf_d3d/modeling/*_d3d.py "$WORK/whole_$run"/
         cp "$WORK/runs/$run.log" "$WORK/results/train_$run.log" 2>/dev/null
@@ -58,7 +59,7 @@ if has train; then
     save
 fi
 if has tau; then
-    for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10" "$WORK/whole_kd"; do
+    for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10" "$WORK/whole_kd" "$WORK/whole_gsm"; do
         [ -f "$d/config.json" ] || continue
         echo "$d"
         "$PY" -m hf_d3d.cli eval-tau --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
