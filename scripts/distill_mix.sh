@@ -13,13 +13,11 @@ $D3D distill --prompts gsm8k:train --skip-prompts 1000 --num-prompts 2000 "${COM
 $D3D distill --prompts sharegpt:train --skip-prompts 1200 --num-prompts 2000 "${COMMON[@]}" --out "$OUT/sharegpt_train_1200"
 $D3D distill --prompts sharegpt:code --skip-prompts 1000 --num-prompts 1500 "${COMMON[@]}" --out "$OUT/sharegpt_code_1000"
 # fp32: on a CPU without bf16 units (AVX2 only) bf16 generation is emulated and several times slower
-$D3D distill --prompts sharegpt:train --skip-prompts 3200 --num-prompts 2000 --dtype float32 --max-new-tokens 256 \
-    --max-prompt-tokens 384 --batch-size 16 --out "$OUT/sharegpt_train_3200"
-# sharegpt:train 11200-13199 holds none of the prompts of the code slices above (sharegpt:code 400-2499)
-$D3D distill --prompts sharegpt:train --skip-prompts 11200 --num-prompts 2000 --dtype float32 --max-new-tokens 256 \
-    --max-prompt-tokens 384 --batch-size 16 --out "$OUT/sharegpt_train_11200"
-# GSM8K train, more questions (greedy) and a sampled second answer to the first ones, both in fp32 on an AVX2-only CPU
 FP32=(--dtype float32 --max-new-tokens 256 --max-prompt-tokens 384 --batch-size 16)
+$D3D distill --prompts sharegpt:train --skip-prompts 3200 --num-prompts 2000 "${FP32[@]}" --out "$OUT/sharegpt_train_3200"
+# sharegpt:train 11200-13199 holds none of the prompts of the code slices above (sharegpt:code 400-2499)
+$D3D distill --prompts sharegpt:train --skip-prompts 11200 --num-prompts 2000 "${FP32[@]}" --out "$OUT/sharegpt_train_11200"
+# GSM8K train: more questions (greedy), and a sampled second answer to the first ones
 $D3D distill --prompts gsm8k:train --skip-prompts 3000 --num-prompts 2000 "${FP32[@]}" --out "$OUT/gsm8k_train_3000"
 $D3D distill --prompts gsm8k:train --num-prompts 2000 --do-sample --temperature 0.7 --seed 1 "${FP32[@]}" \
     --out "$OUT/gsm8k_train_0_t07"

@@ -36,8 +36,16 @@ SETTINGS["gsm"] = SETTINGS["top10"]
 # files distilled since (more questions, and a sampled second answer), this mix keeps GSM8K near that share: 56% of
 # 1.79M response tokens.
 DATA = {
-    "gsm": ["gsm8k_train_0", "gsm8k_train_0_t07", "gsm8k_train_1000", "gsm8k_train_3000"]
-    + ["sharegpt_code_400", "sharegpt_code_1000", "sharegpt_train_0", "sharegpt_train_1200"]
+    "gsm": [
+        "gsm8k_train_0",
+        "gsm8k_train_0_t07",
+        "gsm8k_train_1000",
+        "gsm8k_train_3000",
+        "sharegpt_code_400",
+        "sharegpt_code_1000",
+        "sharegpt_train_0",
+        "sharegpt_train_1200",
+    ]
 }
 DATA_DIR = Path("data/distill/SmolLM2-135M-Instruct")
 
