@@ -116,6 +116,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         eval_every=args.eval_every,
         save_every=args.save_every,
         seed=args.seed,
+        group_by_length=args.group_by_length,
     )
     target, tokenizer = load_target(args.target)
     resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
@@ -690,6 +691,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--group-by-length",
+        action="store_true",
+        help="batch records of similar length (less padding per step; transformers' length-grouped order)",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("bench", help="tau and speedup of every method side by side (one run, alternating, medians)")

@@ -312,9 +312,18 @@ class Killed(Exception):
     pass
 
 
-def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group_by_length):
     target, _ = toy
-    cfg = TrainConfig(max_steps=6, batch_size=4, lr=1e-3, warmup_steps=2, save_every=3, eval_every=1000)
+    cfg = TrainConfig(
+        max_steps=6,
+        batch_size=4,
+        lr=1e-3,
+        warmup_steps=2,
+        save_every=3,
+        eval_every=1000,
+        group_by_length=group_by_length,
+    )
     straight = train(make_drafter(target, block_size=4), toy_data, tmp_path / "a", cfg)
 
     real_save = trainer.save_checkpoint
@@ -370,6 +379,22 @@ def test_epochs_count_every_process_batches():
     assert epochs_to_steps(1000, 1.0, 8, 2, num_processes=2) == 32
     with pytest.raises(ValueError, match="at least 1"):
         epochs_to_steps(1000, 1.0, 0, 1)  # not a ZeroDivisionError
+
+
+def test_length_grouped_order_reads_every_record_once_with_less_padding():
+    from hf_d3d.train.trainer import epoch_order
+
+    lengths = torch.randint(20, 600, (800,), generator=torch.Generator().manual_seed(0)).tolist()
+    plain, grouped = epoch_order(lengths, 8, seed=3), epoch_order(lengths, 8, seed=3, group_by_length=True)
+    # Without grouping the order is the one earlier runs drew, so they resume unchanged.
+    assert plain == torch.randperm(800, generator=torch.Generator().manual_seed(3)).tolist()
+    assert sorted(grouped) == list(range(800)) and grouped != plain
+    assert grouped == epoch_order(lengths, 8, seed=3, group_by_length=True)  # from the seed alone: resume is exact
+
+    def padded(order: list[int]) -> int:
+        return sum(8 * max(lengths[i] for i in order[k : k + 8]) for k in range(0, 800, 8))
+
+    assert padded(grouped) < 0.8 * padded(plain)
 
 
 def test_token_file_round_trip_and_training_resumes_on_it(toy, toy_data, tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from hf_d3d.atomic import atomic_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
@@ -88,6 +89,9 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 100
     seed: int = 0
+    # Batch records of similar length (transformers' length-grouped order: shuffled, then sorted inside mega-batches
+    # of 50 steps), so that less of each step is padding.
+    group_by_length: bool = False
 
     def __post_init__(self) -> None:
         # Checked before any step runs: a zero here would otherwise fail mid-run (modulo by zero at step 1).
@@ -246,9 +250,15 @@ def train(
     frozen_context = config.adapters_only
     max_ar_positions = 0 if frozen_context else config.max_ar_positions
 
+    lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
+    orders: dict[int, list[int]] = {}
+
     def batch_for(step_idx: int, micro: int):
         epoch, offset = divmod(step_idx * config.grad_accum + micro, steps_per_epoch)
-        order = torch.randperm(len(records), generator=torch.Generator().manual_seed(config.seed + epoch))
+        if epoch not in orders:
+            orders.clear()
+            orders[epoch] = epoch_order(lengths, per_step, config.seed + epoch, config.group_by_length)
+        order = orders[epoch]
         start = offset * per_step + accelerator.process_index * config.batch_size
         chosen = [records[int(i)] for i in order[start : start + config.batch_size]]
         gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
@@ -328,6 +338,15 @@ def save_final(drafter: PreTrainedModel, folder: Path, config: TrainConfig, log:
     with atomic_folder(folder, overwrite=True) as tmp:
         drafter.save_pretrained(tmp, omit_base_weights=omit)
         write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
+
+
+def epoch_order(lengths: list[int], per_step: int, seed: int, group_by_length: bool = False) -> list[int]:
+    """The order in which one epoch reads the records, from ``seed`` alone (so a resumed run reads the same).
+    ``group_by_length``: every ``per_step`` consecutive records have similar lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    if group_by_length:
+        return get_length_grouped_indices(lengths, per_step, generator=generator)
+    return torch.randperm(len(lengths), generator=generator).tolist()
 
 
 def epochs_to_steps(num_records: int, epochs: float, batch_size: int, grad_accum: int, num_processes: int = 1) -> int:
