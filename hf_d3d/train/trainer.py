@@ -9,6 +9,7 @@ the batches the interrupted one would have.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import time
@@ -251,14 +252,14 @@ def train(
     max_ar_positions = 0 if frozen_context else config.max_ar_positions
 
     lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
-    orders: dict[int, list[int]] = {}
+
+    @functools.lru_cache(maxsize=1)  # an epoch's order is drawn once, not at every step
+    def order_of(epoch: int) -> list[int]:
+        return epoch_order(lengths, per_step, config.seed + epoch, config.group_by_length)
 
     def batch_for(step_idx: int, micro: int):
         epoch, offset = divmod(step_idx * config.grad_accum + micro, steps_per_epoch)
-        if epoch not in orders:
-            orders.clear()
-            orders[epoch] = epoch_order(lengths, per_step, config.seed + epoch, config.group_by_length)
-        order = orders[epoch]
+        order = order_of(epoch)
         start = offset * per_step + accelerator.process_index * config.batch_size
         chosen = [records[int(i)] for i in order[start : start + config.batch_size]]
         gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
