@@ -258,6 +258,35 @@ def test_loss_masks():
     assert mask[slot, : anchor + 1].all() and not mask[slot, anchor + 1 : width].any()
 
 
+@pytest.mark.parametrize("max_ar_positions", [None, 0])
+def test_loss_is_the_slot_weighted_denoising_plus_the_next_token_term(toy, toy_data, max_ar_positions):
+    target, _ = toy
+    drafter = make_drafter(target, block_size=4, layers=2)
+    batch = make_batch(toy_data[:3], 4, 3, 0, 0, torch.Generator().manual_seed(1), max_ar_positions)
+    loss, metrics = d3d_loss(drafter, batch, ar_weight=0.5, slot_decay=0.8)
+    # Reference from every position's logits, without the loss's selection of rows.
+    every = torch.ones_like(batch.labels, dtype=torch.bool)
+    with torch.no_grad():
+        logits = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=every).logits.float()
+    labels, slot = batch.labels.flatten(), batch.layout.is_slot.flatten()
+    ce = torch.nn.functional.cross_entropy(logits.view(len(labels), -1), labels, reduction="none", ignore_index=IGNORE)
+    weight = 0.8 ** batch.slot_index.flatten().clamp_min(0).float() * (slot & (labels != IGNORE))
+    denoise = (ce * weight).sum() / weight.sum()
+    has_ar = ~slot & (labels != IGNORE)
+    ar = ce[has_ar].mean() if has_ar.any() else torch.tensor(0.0)
+    first = slot & (labels != IGNORE) & (batch.slot_index.flatten() == 0)
+    acc0 = (logits.view(len(labels), -1)[first].argmax(-1) == labels[first]).float().mean()
+    torch.testing.assert_close(metrics["denoise"], denoise.item(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["loss"], (denoise + 0.5 * ar).item(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss.item(), metrics["loss"], rtol=1e-6, atol=1e-6)
+    assert metrics["slot0_acc"] == pytest.approx(acc0.item())
+    assert ("ar" in metrics) == bool(has_ar.any())  # reported only where a next-token label exists
+    if has_ar.any():
+        torch.testing.assert_close(metrics["ar"], ar.item(), rtol=1e-5, atol=1e-6)
+    loss.backward()  # the loss still reaches the trainable weights in both cases
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+
+
 def test_both_losses_decrease_and_tau_rises(toy, toy_data, tmp_path):
     target, _ = toy
     drafter = make_drafter(target, block_size=4, layers=2)

@@ -141,29 +141,34 @@ def d3d_loss(
         labels = vocab_index[labels]
 
     slot_logits, slot_labels = logits[is_slot], labels[is_slot]
-    slot_ce = F.cross_entropy(slot_logits, slot_labels, reduction="none", ignore_index=IGNORE)
+    slot_logp = F.log_softmax(slot_logits, -1)  # shared by the cross-entropy and, at temperature 1, the KD term
+    slot_ce = F.nll_loss(slot_logp, slot_labels, reduction="none", ignore_index=IGNORE)
     # Early slots decide how many tokens are accepted, so they weigh more.
     weights = slot_decay ** slot_index[is_slot].float() * (slot_labels != IGNORE)
     denoise = (slot_ce * weights).sum() / weights.sum().clamp_min(1e-6)
+    # Sums over counts instead of data-dependent branches: the loss never waits on the device to decide its shape.
     ar_labels = labels[~is_slot]
-    has_ar = bool((ar_labels != IGNORE).any())
-    ar = F.cross_entropy(logits[~is_slot], ar_labels, ignore_index=IGNORE) if has_ar else logits.sum() * 0
+    ar_count = (ar_labels != IGNORE).sum()
+    ar = F.cross_entropy(logits[~is_slot], ar_labels, ignore_index=IGNORE, reduction="sum") / ar_count.clamp_min(1)
     total = denoise + ar_weight * ar
     if kd_weight:
         seq = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[has_label][is_slot]
         teacher = kept[row_of[seq, teacher_row[has_label][is_slot]]].detach()
         temp = kd_temperature
-        kl = F.kl_div(
-            F.log_softmax(slot_logits / temp, -1), F.log_softmax(teacher / temp, -1), reduction="none", log_target=True
-        ).sum(-1)
+        student = slot_logp if temp == 1 else F.log_softmax(slot_logits / temp, -1)
+        kl = F.kl_div(student, F.log_softmax(teacher / temp, -1), reduction="none", log_target=True).sum(-1)
         kd = (kl * weights).sum() / weights.sum().clamp_min(1e-6) * temp**2
         total = total + kd_weight * kd
     with torch.no_grad():
         slot0 = (slot_index[is_slot] == 0) & (slot_labels != IGNORE)
-        acc0 = (slot_logits[slot0].argmax(-1) == slot_labels[slot0]).float().mean() if slot0.any() else 0
-    metrics = {"loss": total.item(), "denoise": denoise.item(), "slot0_acc": float(acc0)}
-    if has_ar:
-        metrics["ar"] = ar.item()
-    if kd_weight:
-        metrics["kd"] = kd.item()
+        hits0 = ((slot_logits.argmax(-1) == slot_labels) & slot0).sum()
+        acc0 = hits0 / slot0.sum().clamp_min(1)
+        # One transfer for every metric: a host sync per step, not one per number.
+        named = {"loss": total, "denoise": denoise, "slot0_acc": acc0, "ar": ar, "ar_count": ar_count}
+        if kd_weight:
+            named["kd"] = kd
+        values = dict(zip(named, torch.stack([v.detach().float() for v in named.values()]).tolist()))
+    metrics = {k: v for k, v in values.items() if k != "ar_count"}
+    if not values["ar_count"]:  # no next-token label in this batch: no next-token loss to report
+        del metrics["ar"]
     return total, metrics
