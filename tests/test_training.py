@@ -378,6 +378,20 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
 
 
+@pytest.mark.parametrize("sharding", ["FSDP", "DEEPSPEED"])
+def test_sharded_training_is_refused_before_anything_is_written(toy, toy_data, tmp_path, monkeypatch, sharding):
+    from accelerate import Accelerator, DistributedType
+
+    class Sharded(Accelerator):  # what accelerate reports under an FSDP or DeepSpeed launch config
+        distributed_type = getattr(DistributedType, sharding)
+
+    monkeypatch.setattr(trainer, "Accelerator", Sharded)
+    drafter = make_drafter(toy[0], block_size=4, layers=2)
+    with pytest.raises(ValueError, match=f"{sharding}.*DDP"):
+        train(drafter, toy_data, tmp_path / "run", TrainConfig(max_steps=2, batch_size=2))
+    assert not any((tmp_path / "run").iterdir())  # no checkpoint of one shard
+
+
 def test_bad_records_are_refused():
     good = {"idx": 0, "prompt_ids": [5, 6], "response_ids": [7, 8]}
     with pytest.raises(ValueError, match="empty response"):

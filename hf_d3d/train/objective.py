@@ -125,7 +125,7 @@ def d3d_loss(
         rows = torch.zeros_like(teacher_row).scatter_add_(1, teacher_row.clamp_min(0), has_teacher.long())
         keep = has_label | (rows > 0)
     restrict = {"draft_logits": True} if vocab_index is not None else {}
-    # Going through forward (not the submodules) keeps DDP/FSDP wrappers in charge of gradient sync.
+    # Going through forward (not the submodules) keeps the DDP wrapper in charge of gradient sync.
     if frozen_context:
         thawed = [n for n, p in drafter.named_parameters() if p.requires_grad and "block_adapters" not in n]
         if thawed:  # their gradient from the context rows would be lost

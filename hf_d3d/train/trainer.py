@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedType
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
@@ -30,6 +30,8 @@ from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
 
 CHECKPOINT = "checkpoint"
 FINAL = "final"
+# Distributed types that shard weights or optimizer state across processes: refused by `train`.
+SHARDED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 
 
 def widen_block_adapters(drafter: D3DDrafterModel, top: int = 0) -> list[int]:
@@ -197,6 +199,15 @@ def train(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
+    if accelerator.distributed_type in SHARDED:
+        # Checkpoints and the final drafter are written from the main process's own copy of the weights, and the
+        # optimizer state as that process holds it: under sharding those are one shard, so a run would save a
+        # drafter that loads wrong and cannot resume. Every documented recipe fits replicated (DDP) training.
+        raise ValueError(
+            f"hf-d3d train runs on one device or replicated across processes (DDP); {accelerator.distributed_type} "
+            "shards the weights, which its checkpoints do not gather. Launch with a multi-GPU (DDP) accelerate config; "
+            "for a drafter too large to replicate, train its block adapters alone (--block-adapter-rank)"
+        )
     # Published drafters are stored in bf16 to stay small, but small updates vanish in bf16 weights: training
     # keeps fp32 weights (its checkpoints are fp32) and --mixed-precision chooses the compute type.
     drafter = drafter.float()  # in place: the caller's model is now fp32 too
