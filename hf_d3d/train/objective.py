@@ -146,7 +146,7 @@ def d3d_loss(
     # Early slots decide how many tokens are accepted, so they weigh more.
     weights = slot_decay ** slot_index[is_slot].float() * (slot_labels != IGNORE)
     denoise = (slot_ce * weights).sum() / weights.sum().clamp_min(1e-6)
-    # Sums over counts instead of data-dependent branches: the loss never waits on the device to decide its shape.
+    # A sum over a count, not a Python branch on whether labels exist: a branch would wait on the device.
     ar_labels = labels[~is_slot]
     ar_count = (ar_labels != IGNORE).sum()
     ar = F.cross_entropy(logits[~is_slot], ar_labels, ignore_index=IGNORE, reduction="sum") / ar_count.clamp_min(1)
