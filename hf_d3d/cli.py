@@ -74,20 +74,24 @@ def _cmd_pack_data(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> None:
-    from accelerate import PartialState
+    from accelerate import DistributedType, PartialState
     from accelerate.utils import parse_flag_from_env
 
     from hf_d3d.checks import check_pair, tokenizer_fingerprint
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.targets import load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
-    from hf_d3d.train.trainer import TrainConfig, epochs_to_steps, train, widen_block_adapters
+    from hf_d3d.train.trainer import TrainConfig, check_replicated, epochs_to_steps, train, widen_block_adapters
 
     if args.widen_block_adapters is not None and not args.init_from:
         raise ValueError("--widen-block-adapters widens the adapters of an --init-from drafter")
-    records = load_records(*args.data)
+    records = load_records(*args.data, target=args.target or DEFAULT_TARGET)
     # The settings are checked (TrainConfig) before the models load, so a bad one fails in seconds.
+    # A sharded launch is refused here, before any model loads (accelerate decides FSDP only in the Accelerator).
+    for sharding in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        if parse_flag_from_env(f"ACCELERATE_USE_{sharding}"):
+            check_replicated(DistributedType[sharding])
     # Under `accelerate launch`, each process takes its own batches. PartialState is the one state that the trainer's
     # Accelerator reuses, so it must honour ACCELERATE_USE_CPU as Accelerator does, or a CPU launch runs unshared.
     processes = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).num_processes
@@ -405,7 +409,7 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.prompts import load_prompts
     from hf_d3d.prune import judge_answers, make_healer, prune, teacher_forced_judge
-    from hf_d3d.targets import load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
     from hf_d3d.train.trainer import TrainConfig
 
@@ -421,13 +425,14 @@ def _cmd_prune(args: argparse.Namespace) -> None:
             mixed_precision=args.mixed_precision,
             save_every=100,
         )
-        heal = make_healer(load_records(*args.heal_data), Path(args.out), heal_config)
+        heal_records = load_records(*args.heal_data, target=args.target or DEFAULT_TARGET)
+        heal = make_healer(heal_records, Path(args.out), heal_config)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
     judge, ids = None, []
     if args.judge_data:  # rank layers by teacher-forced tau on the target's answers (no target forwards)
-        records = load_records(*args.judge_data)
+        records = load_records(*args.judge_data, target=args.target or DEFAULT_TARGET)
         judge = teacher_forced_judge(judge_answers(records, args.judge_records))
     else:
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]
@@ -558,7 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("distill", help="the target's own responses to prompts, as token ids (resumable)")
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", required=True, help="gsm8k:train, gsm8k:test, humaneval, sharegpt or a JSONL path")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help="gsm8k:train, gsm8k:test, humaneval, sharegpt (or its splits sharegpt:train, sharegpt:code, "
+        "sharegpt:heldout) or a JSONL path",
+    )
     p.add_argument("--field", default="question", help="JSONL field holding the prompt")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts (to extend a dataset)")
@@ -617,7 +627,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="with --whole-lm: give block tokens low-rank adapters of this rank and train those alone (the LM's own "
-        "computation, and so its next-token predictions, stay exact)",
+        "computation, and so its next-token predictions, stay exact); with --init-from, any value > 0 trains the "
+        "drafter's own adapters alone, at their own rank",
     )
     p.add_argument("--block-adapter-top", type=int, default=0, help="adapters in the top N layers only (0: all)")
     p.add_argument(
@@ -706,7 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter-dtype",
         choices=["auto", "float32", "bfloat16"],
         default="auto",
-        help="compute type of both drafters (auto: as stored, bf16 for ours)",
+        help="compute type of both drafters (auto: as stored, bf16 for ours; fp32 on a CPU without bf16 units)",
     )
     _add_dtype(p, "the target's compute type (plain generate runs in it too)")
     _add_device(p)
@@ -791,7 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retention", type=float, default=0.99)
     p.add_argument("--target-depth", type=int, default=None)
     p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0: no healing)")
-    p.add_argument("--heal-data", nargs="+", default=None, help="finished `hf-d3d distill` folders to heal on")
+    p.add_argument(
+        "--heal-data", nargs="+", default=None, help="finished `hf-d3d distill` folders or token files to heal on"
+    )
     p.add_argument("--heal-lr", type=float, default=1e-4)
     p.add_argument("--heal-batch-size", type=int, default=8)
     p.add_argument("--mixed-precision", choices=["no", "bf16"], default="no", help="compute type of the heal")
@@ -809,7 +822,9 @@ def build_parser() -> argparse.ArgumentParser:
         "draft-vocab", help="copy a drafter so it proposes only the most frequent tokens (cheaper LM head; lossless)"
     )
     p.add_argument("--drafter", required=True)
-    p.add_argument("--data", required=True, nargs="+", help="finished `hf-d3d distill` folders to count tokens in")
+    p.add_argument(
+        "--data", required=True, nargs="+", help="finished `hf-d3d distill` folders or token files to count tokens in"
+    )
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_draft_vocab)

@@ -378,6 +378,26 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
 
 
+def test_periodic_eval_logs_tau_with_both_models_on_the_training_device(toy, toy_data, tmp_path, monkeypatch):
+    target, _ = toy
+    drafter = make_drafter(target, block_size=4, layers=2)
+    seen = []
+    real = trainer.measure_tau
+
+    def spy(tgt, dft, prompts, max_new):
+        seen.append((tgt.device, next(dft.parameters()).device))
+        return real(tgt, dft, prompts, max_new)
+
+    monkeypatch.setattr(trainer, "measure_tau", spy)
+    cfg = TrainConfig(max_steps=4, batch_size=2, eval_every=2, save_every=1000)
+    prompts = [r["prompt_ids"] for r in toy_data[:2]]
+    final = train(drafter, toy_data, tmp_path, cfg, target=target, eval_prompts=prompts, eval_max_new_tokens=8)
+    log = json.loads((final / "training_log.json").read_text())["log"]
+    assert [m["step"] for m in log if "eval_tau" in m] == [2, 4]
+    assert all(m["eval_tau"] >= 1.0 for m in log if "eval_tau" in m)  # a round commits at least the target's token
+    assert len(seen) == 2 and all(t == d for t, d in seen)
+
+
 @pytest.mark.parametrize("sharding", ["FSDP", "DEEPSPEED"])
 def test_sharded_training_is_refused_before_anything_is_written(toy, toy_data, tmp_path, monkeypatch, sharding):
     from accelerate import Accelerator, DistributedType
@@ -390,6 +410,18 @@ def test_sharded_training_is_refused_before_anything_is_written(toy, toy_data, t
     with pytest.raises(ValueError, match=f"{sharding}.*DDP"):
         train(drafter, toy_data, tmp_path / "run", TrainConfig(max_steps=2, batch_size=2))
     assert not any((tmp_path / "run").iterdir())  # no checkpoint of one shard
+
+
+def test_a_sharded_launch_is_refused_by_the_cli_before_any_model_loads(toy_data, tmp_path, monkeypatch, capsys):
+    from hf_d3d import cli
+    from hf_d3d.train.token_file import write_token_file
+
+    data = write_token_file(toy_data, tmp_path / "d.safetensors", VOCAB, {"target": "SmolLM2-135M-Instruct"})
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets under an FSDP config
+    monkeypatch.setattr("hf_d3d.targets.load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
+    assert "FSDP shards the weights" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_records_are_refused():
@@ -512,3 +544,21 @@ def test_token_files_of_two_targets_do_not_mix(toy_data, tmp_path):
         load_records(a, b)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         write_token_file(toy_data, tmp_path / "c.safetensors", 8, {"target": "one"})
+
+
+def test_data_of_another_target_is_refused_before_training(toy_data, tmp_path, monkeypatch, capsys):
+    from hf_d3d import cli
+    from hf_d3d.train.token_file import write_token_file
+
+    path = write_token_file(toy_data, tmp_path / "q.safetensors", VOCAB, {"target": "Qwen3-8B"})
+    assert len(load_records(path, target="Qwen/Qwen3-8B")) == len(toy_data)  # the Hub id names the same model
+    assert len(load_records(path, target="/models/qwen3-8b")) == len(toy_data)  # a local copy under its name
+    with pytest.raises(ValueError, match="distilled from 'Qwen3-8B', but the drafter is for 'ORG/Other'"):
+        load_records(path, target="ORG/Other")
+    # The CLI's default target is SmolLM2: the data is refused before any model loads.
+    monkeypatch.setattr("hf_d3d.targets.load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(["train", "--data", str(path), "--out", str(tmp_path / "run"), "--steps", "1"]) == 2
+    assert "distilled from 'Qwen3-8B', but the drafter is for 'HuggingFaceTB/SmolLM2-135M-Instruct'" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "run").exists()

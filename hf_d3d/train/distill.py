@@ -86,9 +86,10 @@ def _read_done(records: Path, encoded: list[list[int]]) -> set[int]:
     return done
 
 
-def load_records(*sources: str | Path) -> list[dict]:
+def load_records(*sources: str | Path, target: str | None = None) -> list[dict]:
     """Read finished distillation folders or token files (``hf-d3d pack-data``) in order; an unfinished folder or
-    a corrupt file is a clear error.
+    a corrupt file is a clear error. ``target`` (a Hub id or folder): the model the data is for; data distilled
+    from a differently named model is refused (their tokenizers may map the same ids to other text).
 
     One answer never counts twice: a greedy answer to a prompt that already has one is dropped (it is the same
     answer, up to batch numerics), and so is any answer read before. A sampled source (``do_sample`` in its
@@ -115,12 +116,17 @@ def load_records(*sources: str | Path) -> list[dict]:
                 provenance = json.load(f)
             with open(source / RECORDS, encoding="utf-8") as f:
                 batch = [json.loads(line) for line in f]
-        target = Path(provenance.get("target", "")).name
+        name = Path(provenance.get("target", "")).name
         sampled = bool(provenance.get("do_sample", False))
-        targets.setdefault(target, source)
+        targets.setdefault(name, source)
         if len(targets) > 1:
             first, first_source = next(iter(targets.items()))
-            raise ValueError(f"{source} was distilled from {target!r}, {first_source} from {first!r}: one target only")
+            raise ValueError(f"{source} was distilled from {name!r}, {first_source} from {first!r}: one target only")
+        if target and name and name.lower() != Path(target).name.lower():
+            raise ValueError(
+                f"{source} was distilled from {name!r}, but the drafter is for {target!r}: pass --target naming the "
+                "model that wrote the data, or distil this target's own answers"
+            )
         for record in batch:
             prompt, answer = tuple(record["prompt_ids"]), tuple(record["response_ids"])
             if (prompt, answer) in answers or (not sampled and prompt in greedy_prompts):

@@ -175,6 +175,19 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, path: Path, meta: dict) ->
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
+def check_replicated(distributed_type: DistributedType) -> None:
+    """Refuse a launch that shards weights or optimizer state across processes (FSDP, DeepSpeed, Megatron)."""
+    if distributed_type in SHARDED:
+        # Checkpoints and the final drafter are written from the main process's own copy of the weights, and the
+        # optimizer state as that process holds it: under sharding those are one shard, so a run would save a
+        # drafter that loads wrong and cannot resume. Every documented recipe fits replicated (DDP) training.
+        raise ValueError(
+            f"hf-d3d train runs on one device or replicated across processes (DDP); {distributed_type} shards the "
+            "weights, which its checkpoints do not gather. Launch with a multi-GPU (DDP) accelerate config; for a "
+            "drafter too large to replicate, train its block adapters alone (--block-adapter-rank)"
+        )
+
+
 def save_checkpoint(
     out_dir: Path, drafter: PreTrainedModel, optimizer, step: int, config: TrainConfig, log: list
 ) -> None:
@@ -199,15 +212,7 @@ def train(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
-    if accelerator.distributed_type in SHARDED:
-        # Checkpoints and the final drafter are written from the main process's own copy of the weights, and the
-        # optimizer state as that process holds it: under sharding those are one shard, so a run would save a
-        # drafter that loads wrong and cannot resume. Every documented recipe fits replicated (DDP) training.
-        raise ValueError(
-            f"hf-d3d train runs on one device or replicated across processes (DDP); {accelerator.distributed_type} "
-            "shards the weights, which its checkpoints do not gather. Launch with a multi-GPU (DDP) accelerate config; "
-            "for a drafter too large to replicate, train its block adapters alone (--block-adapter-rank)"
-        )
+    check_replicated(accelerator.distributed_type)
     # Published drafters are stored in bf16 to stay small, but small updates vanish in bf16 weights: training
     # keeps fp32 weights (its checkpoints are fp32) and --mixed-precision chooses the compute type.
     drafter = drafter.float()  # in place: the caller's model is now fp32 too
@@ -251,6 +256,8 @@ def train(
     # The scheduler stays outside prepare(): accelerate would step it once per process, but max_steps counts
     # optimizer steps, so it is stepped here once per synced optimizer step on every process alike.
     model, optimizer = accelerator.prepare(drafter, optimizer)
+    if target is not None and eval_prompts and accelerator.is_main_process:
+        target.to(accelerator.device)  # the periodic eval decodes with both models, so they share a device
 
     pad_id = dcfg.pad_token_id if dcfg.pad_token_id is not None else 0
     fill_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else 0
