@@ -128,6 +128,6 @@ def build() -> gr.Blocks:
 
 
 if __name__ == "__main__":
-    build().queue().launch(
-        server_name=os.environ.get("HOST", "127.0.0.1"), server_port=int(os.environ.get("PORT", 7860))
-    )
+    # Unset, both fall through to Gradio's own GRADIO_SERVER_NAME / GRADIO_SERVER_PORT, which a Space sets.
+    port = os.environ.get("PORT")
+    build().queue().launch(server_name=os.environ.get("HOST"), server_port=int(port) if port else None)
