@@ -415,6 +415,7 @@ def _cmd_prune(args: argparse.Namespace) -> None:
 
     if bool(args.heal_data) != bool(args.heal_steps):
         raise SystemExit("--heal-steps and --heal-data go together (the fine-tune needs both its length and its data)")
+    data_for = args.target or DEFAULT_TARGET  # the model any distilled data given must come from
     heal = None
     if args.heal_steps:
         heal_config = TrainConfig(
@@ -425,14 +426,13 @@ def _cmd_prune(args: argparse.Namespace) -> None:
             mixed_precision=args.mixed_precision,
             save_every=100,
         )
-        heal_records = load_records(*args.heal_data, target=args.target or DEFAULT_TARGET)
-        heal = make_healer(heal_records, Path(args.out), heal_config)
+        heal = make_healer(load_records(*args.heal_data, target=data_for), Path(args.out), heal_config)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
     judge, ids = None, []
     if args.judge_data:  # rank layers by teacher-forced tau on the target's answers (no target forwards)
-        records = load_records(*args.judge_data, target=args.target or DEFAULT_TARGET)
+        records = load_records(*args.judge_data, target=data_for)
         judge = teacher_forced_judge(judge_answers(records, args.judge_records))
     else:
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]

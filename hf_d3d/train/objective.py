@@ -168,7 +168,6 @@ def d3d_loss(
         if kd_weight:
             named["kd"] = kd
         values = dict(zip(named, torch.stack([v.detach().float() for v in named.values()]).tolist()))
-    metrics = {k: v for k, v in values.items() if k != "ar_count"}
-    if not values["ar_count"]:  # no next-token label in this batch: no next-token loss to report
-        del metrics["ar"]
-    return total, metrics
+    if not values.pop("ar_count"):  # no next-token label in this batch: no next-token loss to report
+        del values["ar"]
+    return total, values
