@@ -94,7 +94,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
             check_replicated(DistributedType[sharding])
     # Under `accelerate launch`, each process takes its own batches. PartialState is the one state that the trainer's
     # Accelerator reuses, so it must honour ACCELERATE_USE_CPU as Accelerator does, or a CPU launch runs unshared.
-    processes = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU")).num_processes
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    processes = state.num_processes
     steps = args.steps
     if steps is None:
         steps = epochs_to_steps(len(records), args.epochs, args.batch_size, args.grad_accum, processes)
@@ -122,7 +123,10 @@ def _cmd_train(args: argparse.Namespace) -> None:
         seed=args.seed,
         group_by_length=args.group_by_length,
     )
-    target, tokenizer = load_target(args.target)
+    # Only the main process computes with the target (the soft-label check, the periodic eval). The others need its
+    # weights only to build the drafter from them; else its config does (a Qwen3-8B target in fp32 is 32 GB a process).
+    from_target_weights = not args.init_from and args.whole_lm in (None, "target")
+    target, tokenizer = load_target(args.target, weights=state.is_main_process or from_target_weights)
     resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
     if args.init_from:
         drafter = load_drafter(args.init_from, dtype="float32")

@@ -82,18 +82,29 @@ def resolve_target(name_or_path: str | None) -> str:
 
 
 def load_target(
-    name_or_path: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None
+    name_or_path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = None,
+    weights: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM target and its tokenizer; ``None`` means the embedded SmolLM2-135M-Instruct."""
+    """Load a causal LM target and its tokenizer; ``None`` means the embedded SmolLM2-135M-Instruct.
+
+    ``weights=False`` reads no weights: the model is built from its config on the meta device, enough for the
+    checks that read its config (:func:`hf_d3d.checks.check_pair`) and nothing that computes.
+    """
     path = resolve_target(name_or_path)
     try:
-        AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except OSError as err:
         raise OSError(
             f"Cannot load target {name_or_path or DEFAULT_TARGET!r}: not a local folder and the Hub is not reachable "
             f"(offline or unknown id). Original error: {err}"
         ) from err
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if not weights:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval(), tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if device is not None:
         model.to(device)

@@ -13,10 +13,14 @@ import subprocess
 import sys
 
 import pytest
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import VOCAB, tiny_target
+from hf_d3d import D3DDrafterModel
+from hf_d3d.checks import check_pair, tokenizer_fingerprint
+from hf_d3d.targets import load_target
 from hf_d3d.train.distill import DistillConfig, distill, load_records
 
 CONFIG = """compute_environment: LOCAL_MACHINE
@@ -31,15 +35,20 @@ use_cpu: false
 """
 
 
-def _target_and_data(tmp_path) -> int:
-    """A target folder as the CLI loads it (weights plus a word-level tokenizer whose tokens are the ids
-    themselves) and its distilled answers; returns how many records."""
+def _target_folder(tmp_path):
+    """A target folder as the CLI loads it: weights plus a word-level tokenizer whose tokens are the ids themselves."""
     target = tiny_target("llama", seed=3)
     words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token="3")
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
+    return target, tokenizer
+
+
+def _target_and_data(tmp_path) -> int:
+    """:func:`_target_folder` and the target's distilled answers; returns how many records."""
+    target, tokenizer = _target_folder(tmp_path)
     prompts = [" ".join(str(4 + (i * 5 + j * 7) % 90) for j in range(6)) for i in range(10)]
     distill(target, tokenizer, prompts, tmp_path / "data", DistillConfig(max_new_tokens=16, batch_size=5))
     return len(load_records(tmp_path / "data"))
@@ -59,10 +68,71 @@ def _train_args(tmp_path) -> list[str]:
     return args + ["--batch-size", "2", "--num-eval-prompts", "0"]
 
 
+def test_a_target_loaded_without_weights_reads_none_and_serves_the_checks(tmp_path):
+    target, tokenizer = _target_folder(tmp_path)
+    drafter = D3DDrafterModel.from_target(
+        target, num_hidden_layers=1, block_size=4, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)
+    )
+    (tmp_path / "target" / "model.safetensors").write_bytes(b"not weights")  # so any read of them fails
+    with pytest.raises(SafetensorError):
+        load_target(str(tmp_path / "target"))
+    shell, shell_tokenizer = load_target(str(tmp_path / "target"), weights=False)
+    assert {p.device.type for p in shell.parameters()} == {"meta"}
+    for field in ("model_type", "vocab_size", "num_hidden_layers", "hidden_size"):
+        assert getattr(shell.config, field) == getattr(target.config, field)
+    check_pair(shell, drafter, shell_tokenizer)  # vocabulary and tokenizer checked from the config alone
+    drafter.config.vocab_size += 1
+    with pytest.raises(ValueError, match="vocab_size"):
+        check_pair(shell, drafter, shell_tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("start", "main", "weights"),
+    [
+        (["--init-from", "D"], False, False),
+        (["--whole-lm", "L"], False, False),
+        (["--init-from", "D"], True, True),
+        ([], False, True),
+        (["--whole-lm", "target"], False, True),
+    ],
+)
+def test_only_the_main_process_loads_target_weights_it_does_not_build_from(tmp_path, monkeypatch, start, main, weights):
+    """Under `accelerate launch` the other processes compute nothing with the target: they read its weights only
+    where the drafter is built from them (a Qwen3-8B target in fp32 is 32 GB per process)."""
+    from accelerate import PartialState
+
+    from hf_d3d import cli
+    from hf_d3d.train.token_file import write_token_file
+
+    records = [{"idx": 0, "prompt_ids": [5, 6], "response_ids": [7, 8]}]
+    data = write_token_file(records, tmp_path / "d.safetensors", VOCAB, {"target": "SmolLM2-135M-Instruct"})
+    asked = []
+
+    class Stop(RuntimeError):
+        pass
+
+    def load_target(name, weights=True, **kw):
+        asked.append(weights)
+        raise Stop("stopped after the target was asked for")
+
+    class Rank(PartialState):  # what a process of a 2-process launch reports
+        is_main_process, num_processes = main, 2
+
+    monkeypatch.setattr("accelerate.PartialState", Rank)
+    monkeypatch.setattr("hf_d3d.targets.load_target", load_target)
+    args = ["train", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1", *start]
+    assert cli.main(args) == 2
+    assert asked == [weights]
+
+
 @pytest.mark.slow
 def test_accelerate_launch_trains_on_two_cpu_processes(tmp_path):
+    """Started from a drafter (--init-from), so the second process holds the target's config alone."""
     records = _target_and_data(tmp_path)
-    done = _launch(tmp_path, _train_args(tmp_path) + ["--epochs", "1", "--save-every", "2"])
+    target = load_target(str(tmp_path / "target"))[0]
+    D3DDrafterModel.from_target(target, num_hidden_layers=1, block_size=4).save_pretrained(tmp_path / "init")
+    args = _train_args(tmp_path) + ["--init-from", str(tmp_path / "init")]
+    done = _launch(tmp_path, args + ["--epochs", "1", "--save-every", "2"])
     assert done.returncode == 0, done.stderr[-3000:]
 
     log = json.loads((tmp_path / "run" / "final" / "training_log.json").read_text())

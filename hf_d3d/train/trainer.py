@@ -243,7 +243,7 @@ def train(
         for layer in drafter.model.layers[: config.freeze_layers]:
             layer.requires_grad_(False)
     drafter.train()
-    if config.kd_weight:
+    if config.kd_weight and accelerator.is_main_process:  # the other processes may hold the target's config alone
         if target is None:
             raise ValueError("kd_weight needs the target, to check that the soft labels are its own")
         check_teacher(drafter, target, records[0]["prompt_ids"] + records[0]["response_ids"])
