@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,36 +36,44 @@ from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 
-# Generation settings that need logits processors the fast loop does not build itself; with them set, pass
-# ``logits_processor=`` or go through ``target.generate(custom_generate=d3d_generate, ...)``, which builds them all.
-_PROCESSOR_FIELDS = (
-    "repetition_penalty",
-    "encoder_repetition_penalty",
-    "no_repeat_ngram_size",
-    "bad_words_ids",
-    "min_length",
-    "min_new_tokens",
-    "suppress_tokens",
-    "begin_suppress_tokens",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "sequence_bias",
-    "typical_p",
-    "min_p",
-    "epsilon_cutoff",
-    "eta_cutoff",
-    "renormalize_logits",
-)
+# Generation settings that need logits processors or stopping criteria the fast loop does not build itself, each
+# with the value that leaves it off (None is off for all); with one set, pass ``logits_processor=`` /
+# ``stopping_criteria=`` or go through ``target.generate(custom_generate=d3d_generate, ...)``, which builds them all.
+_UNBUILT_FIELDS = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "typical_p": 1.0,
+    "min_p": None,
+    "top_h": None,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "exponential_decay_length_penalty": None,
+    "renormalize_logits": False,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+    "stop_strings": None,
+    "max_time": None,
+}
 
 
 def _warpers(config: GenerationConfig) -> LogitsProcessorList:
-    """The sampling warpers of ``config`` (temperature, top-k, top-p); refuses settings that need other processors."""
-    default = GenerationConfig()
-    asked = [f for f in _PROCESSOR_FIELDS if getattr(config, f, None) != getattr(default, f, None)]
+    """The sampling warpers of ``config`` (temperature, top-k, top-p); refuses settings that need other processors
+    or stopping criteria."""
+    asked = [f for f, off in _UNBUILT_FIELDS.items() if getattr(config, f, None) not in (None, off)]
     if asked:
         raise ValueError(
-            f"speculative_generate builds temperature/top-k/top-p only; {asked} need their logits processors: pass "
-            "logits_processor=..., or call target.generate(..., custom_generate=d3d_generate, drafter=drafter)"
+            f"speculative_generate builds temperature/top-k/top-p only; {asked} need their logits processors or "
+            "stopping criteria: pass logits_processor=... / stopping_criteria=..., or call "
+            "target.generate(..., custom_generate=d3d_generate, drafter=drafter)"
         )
     procs = LogitsProcessorList()
     if config.do_sample:
@@ -213,9 +222,12 @@ def speculative_generate(
     """Decode with D3D drafts verified by ``target``; returns prompt + new tokens ``[1, n]``, the tokens
     ``target.generate`` returns for the same settings.
 
-    Settings come as in ``generate``: ``generation_config`` (default: the target's), updated by keyword arguments
-    that name its fields (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (``None``
-    ignores EOS), ``cache_implementation``). ``max_new_tokens`` defaults to the config's, else 128. Each round
+    Settings merge as in ``generate``: keyword arguments that name generation-config fields (``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (``None`` ignores EOS), ``cache_implementation``) over
+    ``generation_config`` over the target's over transformers' defaults (so sampling keeps the top 50 tokens unless
+    ``top_k`` says otherwise). ``max_new_tokens`` defaults to the config's, else what a set ``max_length`` leaves,
+    else 128. Settings that need other logits processors or stopping criteria are refused: pass them built, or
+    use :func:`d3d_generate`. Each round
     drafts up to ``drafter.generation_config.num_assistant_tokens`` tokens (fewer where the drafter's measured
     ``round_cost`` says the rest do not pay); the call's statistics (every round counted) are in
     ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called after each verification (the Space
@@ -227,12 +239,20 @@ def speculative_generate(
     ``fused``: for a drafter that is the target plus block adapters, one target forward per round verifies the
     draft and drafts the next one (:func:`hf_d3d.fused_generate`; greedy, dynamic cache; ``tree`` as above).
     """
-    config = copy.deepcopy(generation_config or target.generation_config or GenerationConfig())
-    unknown = config.update(**kwargs)
+    # As generate: the call's settings over the target's over transformers' defaults (top_k=50 when sampling).
+    config, unknown = target._prepare_generation_config(generation_config, **kwargs)
+    unknown = {k for k in unknown if k not in ("output_attentions", "output_hidden_states")}
     if unknown:
         raise TypeError(f"speculative_generate got unexpected arguments {sorted(unknown)}")
     if max_new_tokens is None:
-        max_new_tokens = config.max_new_tokens if config.max_new_tokens is not None else 128
+        # generate's own default is 20 tokens in all; the fast loop's, 128 new ones, unless a max_length was set
+        set_lengths = [kwargs.get("max_length")]
+        set_lengths += [getattr(c, "max_length", None) for c in (generation_config, target.generation_config)]
+        max_length = next((n for n in set_lengths if n is not None), None)
+        if config.max_new_tokens is not None:
+            max_new_tokens = config.max_new_tokens
+        else:
+            max_new_tokens = 128 if max_length is None else max(0, max_length - input_ids.shape[1])
     if fused:
         from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
 
@@ -419,6 +439,9 @@ def d3d_generate(
         raise ValueError("custom_generate=d3d_generate needs drafter=<a D3D drafter>")
     if generation_config.return_dict_in_generate:
         raise ValueError("custom_generate=d3d_generate returns token ids only; use return_dict_in_generate=False")
+    streamer = _generate_streamer()
+    generation_config = copy.copy(generation_config)  # generate's own, already complete; the cache kind is ours
+    generation_config.cache_implementation = _cache_kind(generation_config.cache_implementation)
     return speculative_generate(
         model,
         drafter,
@@ -426,11 +449,37 @@ def d3d_generate(
         max_new_tokens=generation_config.max_length - input_ids.shape[1],
         generation_config=generation_config,
         attention_mask=model_kwargs.get("attention_mask"),
+        streamer=_AfterPrompt(streamer) if streamer is not None else None,
         logits_processor=logits_processor,
         stopping_criteria=stopping_criteria,
-        cache_implementation=_cache_kind(generation_config.cache_implementation),
         fused=fused,
     )
+
+
+def _generate_streamer():
+    """The streamer of the ``generate`` call running this ``custom_generate``: transformers hands a callable
+    ``custom_generate`` only the arguments its own decoding loops do not take, so ``streamer`` never arrives."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and "custom_generate" in frame.f_locals:
+            return frame.f_locals.get("streamer")
+        frame = frame.f_back
+    return None
+
+
+class _AfterPrompt:
+    """A streamer that ``generate`` has already given the prompt: passes on the new tokens and the end."""
+
+    def __init__(self, streamer):
+        self.streamer, self.prompt_seen = streamer, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.streamer.put(value)
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.streamer.end()
 
 
 def _cache_kind(requested: str | None) -> str:

@@ -34,7 +34,7 @@ def verify_sampling(
     idx = torch.arange(k, device=draft.device)
     p_tok, q_tok = p_probs[idx, draft], q_probs[idx, draft]
     u = torch.rand(k, generator=generator, device=draft.device)
-    keep = u * q_tok <= p_tok  # u <= p/q without dividing by a q that may be tiny
+    keep = u * q_tok < p_tok  # u < p/q without dividing by a q that may be tiny; strict, so p == 0 never keeps
     n = int(keep.int().cumprod(0).sum())
     if n < k:
         residual = (p_probs[n] - q_probs[n]).clamp_min(0)

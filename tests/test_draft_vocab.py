@@ -203,6 +203,14 @@ def test_a_draft_ends_where_processors_rule_out_the_whole_draft_vocab():
     kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=12, bad_words_ids=[[t] for t in sorted(set(VOCAB_IDS))])
     ref = target.generate(x, do_sample=False, **kw)
     assert torch.equal(ref, target.generate(x, do_sample=False, assistant_model=drafter, **kw))
+    # Sampling through transformers needs a draft row every round: the first slot is drawn from a uniform stand-in
+    # and reported as it, so speculative sampling still keeps the target's distribution.
+    generator = D3DCandidateGenerator(drafter, LogitsProcessorList([banned]), do_sample=True, min_draft=1)
+    seq, scores = generator.get_candidates(x)
+    assert seq.shape[1] == 4 and torch.equal(scores, torch.zeros(1, 1, VOCAB))
+    torch.manual_seed(0)
+    out = target.generate(x, do_sample=True, assistant_model=drafter, **kw)  # raised in torch.stack before
+    assert out.shape[1] > 3 and not set(out[0, 3:].tolist()) & set(VOCAB_IDS)
 
 
 def test_from_target_refuses_a_draft_vocab_size_without_ids():

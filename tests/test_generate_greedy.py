@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import TextStreamer
 
 from conftest import EOS, FAMILIES, make_drafter, prompts, tiny_target
+from hf_d3d import d3d_generate
 from hf_d3d.evaluate import count_forwards
 
 TARGETS = {fam: tiny_target(fam) for fam in ("llama", "qwen3")}
@@ -109,6 +110,36 @@ def test_streamer_receives_the_same_tokens():
     flat = [t for c in streamer.chunks[:-1] for t in c]
     assert streamer.chunks[-1] == "end"
     assert flat == out[0].tolist()  # the prompt first, then every committed token exactly once
+    # the fast loop as custom_generate: transformers hands it no streamer (only its own new arguments) and has
+    # already streamed the prompt
+    streamer = Collect()
+    kw = dict(max_new_tokens=10, eos_token_id=None, attention_mask=torch.ones_like(x), streamer=streamer)
+    out = target.generate(x, custom_generate=d3d_generate, drafter=drafter, **kw)
+    assert streamer.chunks[-1] == "end"
+    assert [t for c in streamer.chunks[:-1] for t in c] == out[0].tolist()
+
+
+@pytest.mark.parametrize("async_drafting", [False, True])
+def test_each_committed_token_enters_the_drafters_cache_once(monkeypatch, async_drafting):
+    """transformers crops an assistant's cache as if it held the whole last draft; the D3D cache holds committed
+    tokens only, so that crop would make every draft after a rejection recompute valid entries."""
+    from hf_d3d import D3DCandidateGenerator
+
+    target, drafter = TARGETS["llama"], make_drafter(TARGETS["llama"], block_size=8)  # untrained: most drafts fail
+    drafter.config.async_drafting = async_drafting
+    context_rows, run = [], D3DCandidateGenerator._run
+
+    def counting(self, ids, layout, keep):
+        context_rows.append(layout.num_context)  # the rows that enter the cache
+        return run(self, ids, layout, keep)
+
+    monkeypatch.setattr(D3DCandidateGenerator, "_run", counting)
+    x = torch.tensor([[4, 5, 6, 7]])
+    out = assisted(target, drafter, x, max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(out, plain(target, x, max_new_tokens=24, eos_token_id=None))
+    assert drafter.last_stats.rounds > 3 and drafter.last_stats.tau < 3
+    if not async_drafting:  # (a packed pass caches its whole draft, then keeps what was committed)
+        assert sum(context_rows) < out.shape[1]  # every committed token once; the last ones need no draft
 
 
 def test_the_drafter_alone_generates_as_a_causal_lm_with_its_cache():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sampling import _target_joint, chi_square_pvalue
+from transformers import GenerationConfig
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
 
 from conftest import FAMILIES, make_drafter, prompts, tiny_target
@@ -142,6 +144,16 @@ def test_verify_sampling_is_exact_for_the_first_token():
     assert n == 2
 
 
+def test_verify_sampling_never_keeps_a_token_the_target_rules_out(monkeypatch):
+    """Even when the uniform draw is exactly 0 (probability 2^-24 per token), a token with p == 0 (outside the
+    target's top-k, suppressed) is rejected, as in transformers' own speculative sampling."""
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    p = torch.tensor([[0.0, 0.4, 0.6], [0.2, 0.3, 0.5]])
+    monkeypatch.setattr(torch, "rand", lambda k, **kw: torch.zeros(k))
+    n, nxt = verify_sampling(torch.tensor([0]), q, p)
+    assert (n, nxt) == (0, 2)  # the replacement comes from norm(max(0, p - q)) = [0, 0, 1]
+
+
 def test_fast_loop_sampling_matches_target_distribution():
     target = tiny_target("qwen3", vocab=12, seed=5)
     drafter = make_drafter(target, block_size=2)
@@ -168,6 +180,43 @@ def test_fast_loop_sampling_matches_target_distribution():
     assert chi_square_pvalue(counts, joint) > 1e-3
 
 
+def test_fast_loop_settings_merge_as_generate_merges_them():
+    """The call's settings over the target's generation config over transformers' defaults, as in generate:
+    sampling keeps the default top 50 tokens, the target's EOS stops a call that passes its own config, and
+    max_length bounds the whole sequence."""
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    x = torch.tensor([[9, 10, 11, 12]])
+    torch.manual_seed(0)
+    # a flat distribution (temperature 50) samples outside the top 50 of 96 tokens about half the time without top-k
+    out = speculative_generate(
+        target, drafter, x, max_new_tokens=40, do_sample=True, temperature=50.0, eos_token_id=None
+    )
+    with torch.no_grad():
+        top50 = target(out).logits[0, x.shape[1] - 1 : -1].topk(50, -1).indices
+    assert all(tok in row for tok, row in zip(out[0, x.shape[1] :].tolist(), top50.tolist()))
+
+    ref = plain(target, x, 20, None)[0, x.shape[1] :].tolist()
+    stop = next(t for i, t in enumerate(ref) if i >= 3 and t not in ref[:i])  # a token first made at step >= 3
+    stopping = copy.deepcopy(target)
+    stopping.generation_config.eos_token_id = stop
+    config = GenerationConfig(max_new_tokens=20, do_sample=False)
+    ref = stopping.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
+    assert ref[0, -1] == stop and ref.shape[1] < x.shape[1] + 20
+    assert torch.equal(speculative_generate(stopping, drafter, x, generation_config=config), ref)
+
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_length=12, eos_token_id=None)
+    assert ref.shape[1] == 12
+    assert torch.equal(speculative_generate(target, drafter, x, max_length=12, eos_token_id=None), ref)
+
+
+def test_fast_loop_refuses_settings_it_does_not_build():
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    x = torch.tensor([[9, 10, 11, 12]])
+    for setting in (dict(repetition_penalty=1.3), dict(stop_strings=["ab"]), dict(max_time=5.0), dict(top_h=0.5)):
+        with pytest.raises(ValueError, match=f"{next(iter(setting))}.*custom_generate=d3d_generate"):
+            speculative_generate(target, drafter, x, max_new_tokens=4, **setting)
+
+
 def test_custom_generate_honours_stopping_criteria():
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -182,6 +231,9 @@ def test_custom_generate_honours_stopping_criteria():
     ref = target.generate(x, stopping_criteria=crit, **kw)
     out = target.generate(x, stopping_criteria=crit, custom_generate=d3d_generate, drafter=drafter, **kw)
     assert ref.shape[1] == 9 and torch.equal(out, ref)
+    # transformers' assisted loop would check it after a round of several tokens and run past length 9: refused
+    with pytest.raises(ValueError, match=r"StopAtLength.*custom_generate=hf_d3d.d3d_generate"):
+        target.generate(x, stopping_criteria=crit, assistant_model=drafter, **kw)
 
 
 def test_num_assistant_tokens_caps_the_draft_in_both_paths(oracle):

@@ -1,5 +1,6 @@
-"""Every transformers-version difference the D3D files meet, in one place; and :func:`assisting_target`, since the
-assisted loop hands its candidate generator the assistant only, never the target.
+"""Every transformers-version difference the D3D files meet, in one place; and :func:`assisting_target` and
+:func:`assisted_stopping_criteria`, since the assisted loop hands its candidate generator the assistant only, never
+the target or its stopping criteria.
 
 transformers 5.24 renamed the KV cache from ``past_key_values`` to ``cache``: the keyword of a model's ``forward``
 (which still accepts the old name, with a deprecation warning), the field of model and generate outputs, and the
@@ -44,13 +45,23 @@ def passed_cache(cache, past_key_values):
     return cache if cache is not None else past_key_values
 
 
-def assisting_target() -> torch.nn.Module | None:
-    """The model whose assisted loop (``generate(assistant_model=...)``) this call runs inside, or ``None``: the
-    ``self`` of transformers' ``_assisted_decoding`` frame, the one place the loop keeps its target."""
+def _assisted_loop_locals() -> dict:
+    """The locals of transformers' ``_assisted_decoding`` frame this call runs inside ({} outside one)."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_assisted_decoding":
-            model = frame.f_locals.get("self")
-            return model if isinstance(model, torch.nn.Module) else None
+            return frame.f_locals
         frame = frame.f_back
-    return None
+    return {}
+
+
+def assisting_target() -> torch.nn.Module | None:
+    """The model whose assisted loop (``generate(assistant_model=...)``) this call runs inside, or ``None``: the
+    ``self`` of transformers' ``_assisted_decoding`` frame, the one place the loop keeps its target."""
+    model = _assisted_loop_locals().get("self")
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+def assisted_stopping_criteria() -> list:
+    """The stopping criteria of the assisted loop this call runs inside (empty outside one)."""
+    return list(_assisted_loop_locals().get("stopping_criteria") or [])

@@ -14,11 +14,23 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import DynamicCache
-from transformers.generation import CandidateGenerator, LogitsProcessorList
+from transformers.generation import (
+    CandidateGenerator,
+    EosTokenCriteria,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .attention_d3d import pack_blocks
-from .compat_d3d import GENERATE_OUTPUT_CACHE_FIELD, assisting_target, cache_kwarg, passed_cache
+from .compat_d3d import (
+    GENERATE_OUTPUT_CACHE_FIELD,
+    assisted_stopping_criteria,
+    assisting_target,
+    cache_kwarg,
+    passed_cache,
+)
 from .skinny_d3d import few_row_forwards, patched_forwards, skinny_next_forward
 
 
@@ -249,8 +261,11 @@ class D3DCandidateGenerator(CandidateGenerator):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cache.get_seq_length(layer_idx)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        self.cache.crop(tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        """Ignored. transformers crops an assistant's cache as if it held the last draft, but this one holds only
+        committed tokens (a packed pass's draft entries are trimmed by :meth:`_take_hypothesis`), so its crop
+        would throw valid entries away for the next draft to recompute; :meth:`_draft_logits` trims what is
+        stale."""
 
     # -- the draft vocabulary -------------------------------------------------------------------------------------
     def _tokens(self, index: torch.Tensor) -> torch.Tensor:
@@ -468,8 +483,12 @@ class D3DCandidateGenerator(CandidateGenerator):
             else:
                 nxt = row.argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
-        keep = int(proposable.long().cumprod(0).sum())
-        return seq[:, input_ids.shape[1] : input_ids.shape[1] + keep], scores[:, :keep]
+        # Sampling through transformers needs a draft row in every round (min_draft): then a first slot with nothing
+        # proposable stays, drawn from the uniform stand-in and reported as it. Speculative sampling is exact for
+        # whatever distribution a draft token was drawn from, so the target's distribution is kept.
+        keep = max(int(proposable.long().cumprod(0).sum()), self.min_draft)
+        scores = torch.where(proposable[:keep, None], scores[:, :keep], 0.0)
+        return seq[:, input_ids.shape[1] : input_ids.shape[1] + keep], scores
 
 
 def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> GenerateDecoderOnlyOutput:
@@ -489,6 +508,7 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     first = not isinstance(generator, D3DCandidateGenerator)
     if first:
         target = assisting_target()
+        refuse_round_end_stops(assisted_stopping_criteria())
         exact = getattr(config, "d3d_prefill_alone", False)
         skinny = getattr(config, "d3d_skinny", None)  # True: the caller's skinny_linears block; False: not wanted
         # Verifying a few rows costs nearly a decode step per row with fp32 CPU GEMMs; the drafter gives the target's
@@ -515,6 +535,20 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
         # the target's next forward verifies this draft (the first round's is its prefill; without a draft, one row)
         skinny_next_forward(generator.verify_target, generator._verify_forwards)
     return _assistant_output(sequences, scores, generator)
+
+
+def refuse_round_end_stops(criteria: list) -> None:
+    """Refuse stopping criteria that transformers' assisted loop checks only once per round (stop strings, custom
+    ones): a round commits several tokens, so the output could run past where plain ``generate`` stops. It cuts a
+    round at EOS and at the length limit itself; a time limit stops at no fixed token anyway."""
+    per_token = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
+    others = sorted({type(c).__name__ for c in criteria if not isinstance(c, per_token)})
+    if others:
+        raise ValueError(
+            f"assisted generation checks {others} only after each round of several tokens, so the output could run "
+            "past where plain generate stops; hf_d3d's fast loop checks them after every token: "
+            "target.generate(..., custom_generate=hf_d3d.d3d_generate, drafter=drafter)"
+        )
 
 
 def _assistant_output(sequences, scores, generator) -> GenerateDecoderOnlyOutput:
