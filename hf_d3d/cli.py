@@ -215,7 +215,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.cpu.fp16_weights import fp16_weights, fp16_weights_supported
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.targets import load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids
 
     methods = [m.strip() for m in args.methods.split(",")]
@@ -318,18 +318,22 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         if result.get("skinny"):
             where += ", inside `hf_d3d.skinny_linears(target, drafter)`"
         speed = {"speedup": sync["speedup"], "speedup_command": result["command"], "speedup_setting": where}
-        path = _update_metrics(args.drafter, row, speed)
+        path = _update_metrics(args.drafter, row, speed, target=args.target or DEFAULT_TARGET)
         print(f"updated {path}")
 
 
-def _update_metrics(drafter: str | None, row: dict, always: dict | None = None) -> Path:
+def _update_metrics(drafter: str | None, row: dict, always: dict | None = None, target: str | None = None) -> Path:
     """Merge ``row`` into DRAFTER/d3d_metrics.json by dataset: a new dataset gets ``row``, a known one keeps its
-    measured tau and takes ``always`` (with no ``always``, ``row`` replaces it)."""
+    measured tau and takes ``always`` (with no ``always``, ``row`` replaces it). ``target``: the model the rows were
+    measured on, which the card names as the drafter's ``base_model`` (a drafter converted from a sibling LM names
+    that LM in its config)."""
     from hf_d3d.atomic import write_json_atomic
     from hf_d3d.targets import DEFAULT_DRAFTER
 
     path = Path(drafter or DEFAULT_DRAFTER) / "d3d_metrics.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
+    if target is not None:
+        old["base_model"] = target
     rows = old.get("rows", [])
     known = [r for r in rows if r["dataset"] == row["dataset"]]
     if known and always is not None:
@@ -363,7 +367,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.evaluate import measure_tau
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.targets import load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids
 
     device = _device(args.device)
@@ -405,7 +409,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         print(f"{rows[-1]['dataset']}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens){hit}")
     if args.write_metrics:
         for row in rows:
-            path = _update_metrics(args.drafter, row)
+            path = _update_metrics(args.drafter, row, target=args.target or DEFAULT_TARGET)
         print(f"updated {path}")
 
 

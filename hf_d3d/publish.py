@@ -44,7 +44,13 @@ def load_metrics(checkpoint: Path) -> dict:
 
 def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
     config = json.loads((checkpoint / "config.json").read_text())
-    base = metrics.get("base_model") or config.get("base_model") or config.get("_name_or_path") or "unknown"
+    base = metrics.get("base_model") or config.get("base_model") or config.get("_name_or_path") or ""
+    if not _is_hub_id(base):
+        # the card's metadata and usage code load the target by this name, so a local folder would not serve
+        raise PublishError(
+            f'the card names the target by its Hub id, and {base or "nothing"!r} is not one: set "base_model" '
+            f"in {METRICS} (eval-tau and bench --write-metrics record the --target they measured on)"
+        )
     data = ModelCardData(
         base_model=base,
         library_name="transformers",
@@ -114,12 +120,23 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
     return str(card)
 
 
+def _is_hub_id(name: str) -> bool:
+    """``org/name`` as the Hub spells a repo, not a local folder."""
+    return bool(name) and name.count("/") == 1 and not name.startswith(("/", ".", "~")) and not Path(name).exists()
+
+
 def _base_weights_note(checkpoint: Path, config: dict) -> str:
     """For a checkpoint stored without its base LM's weights: where loading takes them from."""
     with safe_open(checkpoint / "model.safetensors", "pt") as f:
         stored = set(f.keys())
     if "model.embed_tokens.weight" in stored or not config.get("base_model"):
         return ""
+    if not _is_hub_id(config["base_model"]):
+        raise PublishError(
+            f"this drafter stores only its trained tensors and takes the rest from {config['base_model']!r}, which "
+            "no one else can fetch: set its config's base_model to the LM's Hub id (load_drafter keeps the id a "
+            "drafter was saved with) and save it again"
+        )
     size = (checkpoint / "model.safetensors").stat().st_size / 1e6
     return (
         f" This repo holds only what training changed ({size:.0f} MB: block adapters and the mask vector); "
@@ -161,6 +178,15 @@ def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:
         )
     metrics = load_metrics(checkpoint)
     card = render_card(checkpoint, repo_id, metrics)
+    # The folder is replaced whole: only one that holds nothing but a Hub folder's files may be (an earlier dry run).
+    if out.exists() and out.resolve() == checkpoint.resolve():
+        raise PublishError(f"{out} is the checkpoint itself; write the Hub folder elsewhere")
+    if out.exists() and not out.is_dir():
+        raise PublishError(f"{out} is a file, not a folder")
+    hub_files = {*REQUIRED, *OPTIONAL, "README.md"}
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in hub_files) if out.is_dir() else []
+    if foreign:
+        raise PublishError(f"{out} holds other files ({', '.join(foreign[:5])}); it would be replaced whole")
     with atomic_folder(out, overwrite=True) as tmp:
         for name in REQUIRED + OPTIONAL:
             if (checkpoint / name).is_file():

@@ -50,7 +50,7 @@ def test_saved_without_base_loads_whole_and_drafts_the_same(tmp_path, family):
     assert torch.equal(out, plain)
 
 
-def test_other_base_weights_warn_and_a_missing_base_is_a_clear_error(tmp_path):
+def test_other_base_weights_warn_and_a_missing_base_is_a_clear_error(tmp_path, monkeypatch):
     _, drafter = _adapter_drafter("llama", tmp_path / "base")
     drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
     tiny_target("llama", seed=7).save_pretrained(tmp_path / "other")  # same shapes, other weights
@@ -62,6 +62,13 @@ def test_other_base_weights_warn_and_a_missing_base_is_a_clear_error(tmp_path):
         )
     with pytest.raises(OSError, match="base LM"):
         D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "nowhere"))
+    pickled = tmp_path / "pickled"  # a base with pickled weights only is refused, never unpickled
+    tiny_target("llama").config.save_pretrained(pickled)
+    torch.save(tiny_target("llama").state_dict(), pickled / "pytorch_model.bin")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+        with pytest.raises(OSError, match="base LM.*safetensors"):
+            D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(pickled))
     tiny_target("llama", layers=2).save_pretrained(tmp_path / "shallow")  # fewer layers than the drafter has
     with pytest.raises(ValueError, match="does not match this drafter"):
         D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "shallow"))
@@ -82,15 +89,21 @@ def test_omitting_needs_a_base_and_a_stored_tensor_missing_is_refused(tmp_path):
 
 
 def test_card_says_where_the_base_weights_come_from(tmp_path):
-    from hf_d3d.publish import METRICS, assemble
+    from hf_d3d.publish import METRICS, PublishError, assemble
 
     _, drafter = _adapter_drafter("llama", tmp_path / "base")
-    rows = {"rows": [{"dataset": "toy", "tau": 1.5, "command": "hf-d3d eval-tau ..."}]}
+    rows = {"base_model": "org/target", "rows": [{"dataset": "toy", "tau": 1.5, "command": "hf-d3d eval-tau ..."}]}
+    drafter.save_pretrained(tmp_path / "local", omit_base_weights=True)
+    (tmp_path / "local" / METRICS).write_text(json.dumps(rows))
+    with pytest.raises(PublishError, match="no one else can fetch"):  # its base is a folder on this machine
+        assemble(tmp_path / "local", tmp_path / "hub-local", "org/x")
+    drafter.config.base_model = "org/base-lm"
     for name, omit in (("small", True), ("full", False)):
         drafter.save_pretrained(tmp_path / name, omit_base_weights=omit)
         (tmp_path / name / METRICS).write_text(json.dumps(rows))
         card = (assemble(tmp_path / name, tmp_path / f"hub-{name}", "org/x") / "README.md").read_text()
-        assert ("takes every other weight from" in card) == omit
+        assert ("takes every other weight from [org/base-lm]" in card) == omit
+        assert "A **D3D drafter** for [org/target]" in card  # the target measured on, not the LM it came from
 
 
 def test_a_pruned_whole_lm_drafter_still_fetches_its_remaining_layers(tmp_path):

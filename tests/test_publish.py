@@ -79,6 +79,9 @@ def test_card_states_the_draft_vocabulary(tmp_path):
     drafter.save_pretrained(tmp_path / "ckpt")
     rows = [{"dataset": "gsm8k:test", "tau": 1.5, "hit_rate": 0.42, "command": "c"}]
     (tmp_path / "ckpt" / METRICS).write_text(json.dumps({"rows": rows}))
+    with pytest.raises(PublishError, match="names the target by its Hub id"):  # neither metrics nor config name it
+        assemble(tmp_path / "ckpt", tmp_path / "hub", "someone/x")
+    (tmp_path / "ckpt" / METRICS).write_text(json.dumps({"base_model": "Qwen/Qwen3-0.6B", "rows": rows}))
     card = ModelCard.load(assemble(tmp_path / "ckpt", tmp_path / "hub", "someone/x") / "README.md")
     assert "only its 24 most frequent tokens" in card.text and "25% of a full one" in card.text
     assert (
@@ -94,6 +97,21 @@ def test_dry_run_writes_exactly_the_hub_files(checkpoint, tmp_path):
         == 0
     )
     assert {p.name for p in (tmp_path / "hub").iterdir()} == EXPECTED
+
+
+def test_the_hub_folder_never_replaces_a_folder_of_other_files(checkpoint, tmp_path):
+    """The Hub folder is written whole over an earlier one; a folder with anything else in it (`--folder runs`)
+    or the checkpoint itself is refused, untouched."""
+    assemble(checkpoint, tmp_path / "hub", "someone/x")
+    assemble(checkpoint, tmp_path / "hub", "someone/x")  # an earlier dry run's folder is replaced
+    (tmp_path / "runs" / "other").mkdir(parents=True)
+    (tmp_path / "runs" / "keep.bin").write_bytes(b"precious")
+    with pytest.raises(PublishError, match="other files"):
+        assemble(checkpoint, tmp_path / "runs", "someone/x")
+    assert (tmp_path / "runs" / "keep.bin").read_bytes() == b"precious" and (tmp_path / "runs" / "other").is_dir()
+    with pytest.raises(PublishError, match="checkpoint itself"):
+        assemble(checkpoint, checkpoint, "someone/x")
+    assert (checkpoint / "model.safetensors").is_file()
 
 
 def test_card_without_metrics_is_refused(checkpoint, tmp_path):

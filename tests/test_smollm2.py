@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -190,11 +191,40 @@ def test_eval_tau_measures_a_later_slice_and_names_it(pair, tmp_path):
 
     target, tokenizer, _ = pair
     folder = shutil.copytree(DEFAULT_DRAFTER, tmp_path / "drafter")
+    metrics = json.loads((folder / "d3d_metrics.json").read_text())
+    del metrics["base_model"]  # the command records the target it measured on, which the card names
+    (folder / "d3d_metrics.json").write_text(json.dumps(metrics))
     args = ["eval-tau", "--drafter", str(folder), "--prompts", "gsm8k:test", "--num-prompts", "1"]
     assert main([*args, "--skip-prompts", "3", "--max-new-tokens", "8", "--fixed-length", "--write-metrics"]) == 0
+    assert load_metrics(folder)["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     row = next(r for r in load_metrics(folder)["rows"] if r["dataset"].startswith("gsm8k:test[3:4]"))
     assert "--num-prompts 1 --skip-prompts 3 --max-new-tokens 8" in row["command"]
     drafter = load_drafter(str(folder))  # as the command loads it
     drafter.config.round_cost = None  # as --fixed-length sets it
     expected = measure_tau(target, drafter, [chat_prompt_ids(tokenizer, load_prompts("gsm8k:test")[3])], 8)
     assert (row["new_tokens"], row["target_forwards"]) == (expected["new_tokens"], expected["target_forwards"])
+
+
+def test_the_spaces_draft_view_shows_the_output_text_once_with_whole_characters():
+    """The Space colours each round's tokens; the accepted and target pieces together are exactly the decoded
+    output: characters that span byte-level tokens come out whole, and a round that stops inside its accepted
+    draft (EOS) shows no token twice."""
+    from transformers import AutoTokenizer
+
+    from hf_d3d.demo import DraftView
+    from hf_d3d.targets import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
+    ids = tokenizer.encode("Größe: 5 €, naïve café ✓ done") + [tokenizer.eos_token_id]
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # some characters do span tokens
+    view, shown, start = DraftView(tokenizer), [], 0
+    for size, accepted in [(3, 2), (4, 0), (2, 1), (5, 5), (40, 40)]:  # (committed, accepted) per round
+        committed = ids[start : start + size]
+        if not committed:
+            break
+        draft = committed[:accepted] + ([7] if accepted < len(committed) else [])  # a wrong draft token, rejected
+        shown += view.round(draft, min(accepted, len(committed)), committed)
+        start += len(committed)
+    assert "".join(text for text, kind in shown if kind != "rej") == tokenizer.decode(ids)
+    assert not any("\ufffd" in text for text, _ in shown)
+    assert {kind for _, kind in shown} == {"acc", "tgt", "rej"}

@@ -632,12 +632,15 @@ def _with_base_weights(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
         return None
     revision = getattr(given, "base_model_revision", config.get("base_model_revision"))
     revision = kwargs.get("base_model_revision", revision)
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(base, revision=revision, dtype=kwargs.get("dtype", "auto"), **hub)
+    try:  # safetensors only: the base is named by a downloaded config, so its pickles are never unpickled
+        lm = AutoModelForCausalLM.from_pretrained(
+            base, revision=revision, dtype=kwargs.get("dtype", "auto"), use_safetensors=True, **hub
+        )
     except OSError as err:
         raise OSError(
             f"this drafter stores only its trained tensors and takes the rest from its base LM {base!r}, which could "
-            f"not be loaded (pass base_model=<local folder> to from_pretrained to use a copy you have): {err}"
+            f"not be loaded in safetensors (pass base_model=<local folder> to from_pretrained to use a copy you "
+            f"have): {err}"
         ) from err
     ids = config.get("target_layer_ids") or list(range(config["num_hidden_layers"]))
     return {**_lm_state(lm, ids, bool(config.get("tie_word_embeddings")), config["vocab_size"]), **stored}

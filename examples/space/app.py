@@ -17,7 +17,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 from hf_d3d import check_pair, speculative_generate
-from hf_d3d.demo import DEFAULT_PROMPT, MAX_NEW_TOKENS_LIMIT, no_outside_requests, validate_request
+from hf_d3d.demo import DEFAULT_PROMPT, MAX_NEW_TOKENS_LIMIT, DraftView, no_outside_requests, validate_request
 from hf_d3d.targets import load_drafter, load_target
 
 no_outside_requests()
@@ -62,14 +62,18 @@ def run(prompt: str, max_new_tokens: float):
     result = {}
 
     def plain_job():
-        result["plain"] = TARGET.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_new,
-            do_sample=False,
-            streamer=streamer,
-            pad_token_id=TOKENIZER.pad_token_id,
-        )
+        try:
+            result["plain"] = TARGET.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new,
+                do_sample=False,
+                streamer=streamer,
+                pad_token_id=TOKENIZER.pad_token_id,
+            )
+        except Exception as err:  # reported below; the streamer must still end, or the page waits forever
+            result["error"] = err
+            streamer.end()
 
     start = time.perf_counter()
     worker = threading.Thread(target=plain_job)
@@ -79,6 +83,10 @@ def run(prompt: str, max_new_tokens: float):
         text += piece
         yield text, "", "*plain decoding ...*"
     worker.join()
+    if "error" in result:
+        err = result["error"]
+        yield text, "", f"**Plain decoding failed:** {html.escape(f'{type(err).__name__}: {err}')}"
+        return
     plain_seconds = time.perf_counter() - start
     plain_new = result["plain"].shape[1] - x.shape[1]
     plain_tps = plain_new / plain_seconds
@@ -86,14 +94,11 @@ def run(prompt: str, max_new_tokens: float):
     # D3D fast loop; each round reports its draft, how much was accepted and what was committed
     pieces: list[str] = []
     rounds = {"n": 0}
+    view = DraftView(TOKENIZER)
 
     def on_round(draft, accepted, committed):
         rounds["n"] += 1
-        for tok in committed[:accepted]:
-            pieces.append(_span(TOKENIZER.decode([tok]), "acc"))
-        pieces.append(_span(TOKENIZER.decode([committed[-1]]), "tgt"))
-        if accepted < len(draft):
-            pieces.append(_span(TOKENIZER.decode(draft[accepted:]), "rej"))
+        pieces.extend(_span(text, kind) for text, kind in view.round(draft, accepted, committed))
 
     start = time.perf_counter()
     out = speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new, on_round=on_round)
