@@ -74,6 +74,15 @@ def test_other_base_weights_warn_and_a_missing_base_is_a_clear_error(tmp_path, m
         D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "shallow"))
 
 
+@pytest.mark.parametrize("damage", [b"not a safetensors file", b"\x10\x00\x00\x00\x00\x00\x00\x00{broken json}!!", b""])
+def test_a_corrupt_weights_file_of_a_drafter_with_a_base_is_refused_clearly(tmp_path, damage):
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
+    (tmp_path / "small" / "model.safetensors").write_bytes(damage)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        D3DDrafterModel.from_pretrained(tmp_path / "small")
+
+
 def test_omitting_needs_a_base_and_a_stored_tensor_missing_is_refused(tmp_path):
     _, drafter = _adapter_drafter("llama", tmp_path / "base")
     drafter.config.base_model = None

@@ -610,6 +610,21 @@ def _lm_state(lm: PreTrainedModel, layer_ids: list[int], tied: bool, vocab_size:
     return state
 
 
+def _tensor_names(safetensors_file: str) -> set[str]:
+    """The tensor names of a safetensors file, from its header alone (an 8-byte length, then JSON)."""
+    with open(safetensors_file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        end = f.seek(0, 2)
+        f.seek(8)
+        try:
+            if not 0 < size <= end - 8:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+            raise ValueError(f"{safetensors_file} is not a safetensors file (corrupt or truncated): {err}") from err
+    return set(header) - {"__metadata__"}
+
+
 def _with_base_weights(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
     """For a checkpoint stored without its base weights: the whole state dict, its own tensors plus the base LM's
     (fetched); ``None`` for a checkpoint stored whole."""
@@ -627,9 +642,9 @@ def _with_base_weights(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
     # AutoModel.from_pretrained moves config kwargs (base_model=...) into the config object it passes on
     given = kwargs.get("config")
     base = kwargs.get("base_model", getattr(given, "base_model", config.get("base_model")))
+    if not base or "model.embed_tokens.weight" in _tensor_names(weights_file):
+        return None  # stored whole: from_pretrained reads it once, as any checkpoint
     stored = load_state_dict(weights_file)
-    if not base or "model.embed_tokens.weight" in stored:
-        return None
     revision = getattr(given, "base_model_revision", config.get("base_model_revision"))
     revision = kwargs.get("base_model_revision", revision)
     try:  # safetensors only: the base is named by a downloaded config, so its pickles are never unpickled
