@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from transformers.generation import (
 from hf_d3d.checks import check_pair
 from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
 from hf_d3d.exact import is_exact
-from hf_d3d.modeling.compat_d3d import cache_kwarg
+from hf_d3d.modeling.compat_d3d import cache_kwarg, caller_locals
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
@@ -439,7 +438,8 @@ def d3d_generate(
         raise ValueError("custom_generate=d3d_generate needs drafter=<a D3D drafter>")
     if generation_config.return_dict_in_generate:
         raise ValueError("custom_generate=d3d_generate returns token ids only; use return_dict_in_generate=False")
-    streamer = _generate_streamer()
+    # transformers hands a callable custom_generate only the arguments its own loops do not take: not the streamer
+    streamer = caller_locals("generate", holding="custom_generate").get("streamer")
     generation_config = copy.copy(generation_config)  # generate's own, already complete; the cache kind is ours
     generation_config.cache_implementation = _cache_kind(generation_config.cache_implementation)
     return speculative_generate(
@@ -454,17 +454,6 @@ def d3d_generate(
         stopping_criteria=stopping_criteria,
         fused=fused,
     )
-
-
-def _generate_streamer():
-    """The streamer of the ``generate`` call running this ``custom_generate``: transformers hands a callable
-    ``custom_generate`` only the arguments its own decoding loops do not take, so ``streamer`` never arrives."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "generate" and "custom_generate" in frame.f_locals:
-            return frame.f_locals.get("streamer")
-        frame = frame.f_back
-    return None
 
 
 class _AfterPrompt:

@@ -45,11 +45,12 @@ def passed_cache(cache, past_key_values):
     return cache if cache is not None else past_key_values
 
 
-def _assisted_loop_locals() -> dict:
-    """The locals of transformers' ``_assisted_decoding`` frame this call runs inside ({} outside one)."""
+def caller_locals(function: str, holding: str | None = None) -> dict:
+    """The locals of the innermost frame up the stack that runs ``function`` (and, if given, has a local named
+    ``holding``); {} where there is none. How D3D reads what transformers' loops hold but do not pass on."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_name == "_assisted_decoding":
+        if frame.f_code.co_name == function and (holding is None or holding in frame.f_locals):
             return frame.f_locals
         frame = frame.f_back
     return {}
@@ -58,10 +59,10 @@ def _assisted_loop_locals() -> dict:
 def assisting_target() -> torch.nn.Module | None:
     """The model whose assisted loop (``generate(assistant_model=...)``) this call runs inside, or ``None``: the
     ``self`` of transformers' ``_assisted_decoding`` frame, the one place the loop keeps its target."""
-    model = _assisted_loop_locals().get("self")
+    model = caller_locals("_assisted_decoding").get("self")
     return model if isinstance(model, torch.nn.Module) else None
 
 
 def assisted_stopping_criteria() -> list:
     """The stopping criteria of the assisted loop this call runs inside (empty outside one)."""
-    return list(_assisted_loop_locals().get("stopping_criteria") or [])
+    return list(caller_locals("_assisted_decoding").get("stopping_criteria") or [])
