@@ -64,24 +64,27 @@ class DraftView:
     """The text of a D3D decode, round by round, in pieces labelled by outcome: ``acc`` (draft tokens the target
     accepted), ``tgt`` (the target's own token) and ``rej`` (the rejected rest of a draft, never part of the output).
 
-    Pieces are decoded in the context of every token before them, so a character that spans tokens (byte-level BPE)
-    comes out whole, with the token that completes it; a round whose stop fell inside the accepted draft shows no
-    token twice."""
+    Pieces are decoded in the context of the tokens before them back to the last line break (as ``TextStreamer``
+    does), so a character that spans tokens (byte-level BPE) comes out whole, with the token that completes it, and a
+    long answer costs no quadratic re-decoding; a round whose stop fell inside the accepted draft shows no token
+    twice."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0  # ids: the current line's tokens; shown: its chars
 
     def round(self, draft: list[int], accepted: int, committed: list[int]) -> list[tuple[str, str]]:
         """Pieces for one round: ``speculative_generate``'s ``on_round(draft, accepted, committed)``."""
-        pieces = []
+        pieces, context = [], list(self.ids)
         for i, tok in enumerate(committed):
             self.ids.append(tok)
             text = self.tokenizer.decode(self.ids)
             if not text.endswith("\ufffd"):  # an incomplete character waits for the token that completes it
                 pieces.append((text[self.shown :], "acc" if i < accepted else "tgt"))
                 self.shown = len(text)
+                if text.endswith("\n"):  # decoding is additive across a line break: start a new line
+                    self.ids, self.shown = [], 0
         if accepted < min(len(committed), len(draft)):  # the target corrected the draft here
-            before = self.ids[: len(self.ids) - len(committed) + accepted]
+            before = context + committed[:accepted]
             rejected = self.tokenizer.decode(before + draft[accepted:])[len(self.tokenizer.decode(before)) :]
             pieces.append((rejected, "rej"))
         return [(text, kind) for text, kind in pieces if text]

@@ -208,23 +208,26 @@ def test_eval_tau_measures_a_later_slice_and_names_it(pair, tmp_path):
 def test_the_spaces_draft_view_shows_the_output_text_once_with_whole_characters():
     """The Space colours each round's tokens; the accepted and target pieces together are exactly the decoded
     output: characters that span byte-level tokens come out whole, and a round that stops inside its accepted
-    draft (EOS) shows no token twice."""
+    draft (EOS) shows no token twice; each decode reads one line's tokens, not the whole answer."""
     from transformers import AutoTokenizer
 
     from hf_d3d.demo import DraftView
     from hf_d3d.targets import resolve_target
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(None))
-    ids = tokenizer.encode("Größe: 5 €, naïve café ✓ done") + [tokenizer.eos_token_id]
+    ids = tokenizer.encode("Größe: 5 €,\nnaïve café ✓\n\n- done\n" * 3) + [tokenizer.eos_token_id]
     assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # some characters do span tokens
     view, shown, start = DraftView(tokenizer), [], 0
-    for size, accepted in [(3, 2), (4, 0), (2, 1), (5, 5), (40, 40)]:  # (committed, accepted) per round
+    longest, decode = [0], tokenizer.decode
+    tokenizer.decode = lambda t, **kw: longest.__setitem__(0, max(longest[0], len(t))) or decode(t, **kw)
+    for size, accepted in [(3, 2), (4, 0), (2, 1), (5, 5)] * 3 + [(80, 80)]:  # (committed, accepted) per round
         committed = ids[start : start + size]
         if not committed:
             break
         draft = committed[:accepted] + ([7] if accepted < len(committed) else [])  # a wrong draft token, rejected
         shown += view.round(draft, min(accepted, len(committed)), committed)
         start += len(committed)
-    assert "".join(text for text, kind in shown if kind != "rej") == tokenizer.decode(ids)
+    assert "".join(text for text, kind in shown if kind != "rej") == decode(ids)
     assert not any("\ufffd" in text for text, _ in shown)
     assert {kind for _, kind in shown} == {"acc", "tgt", "rej"}
+    assert longest[0] < len(ids) // 2
