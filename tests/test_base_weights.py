@@ -74,6 +74,24 @@ def test_other_base_weights_warn_and_a_missing_base_is_a_clear_error(tmp_path, m
         D3DDrafterModel.from_pretrained(tmp_path / "small", base_model=str(tmp_path / "shallow"))
 
 
+def test_a_drafter_in_a_subfolder_fetches_its_base_and_a_base_given_at_load_is_not_saved(tmp_path):
+    """A drafter stored without its base inside a folder of a bigger repo (``subfolder=``) loads whole; a
+    ``base_model=`` passed at load says where to fetch the base from, and a later save still names the original."""
+    lm, drafter = _adapter_drafter("llama", tmp_path / "base")
+    drafter.config.base_model = "org/base-lm"  # a Hub id, unreachable here: the base comes from the local copy
+    drafter.save_pretrained(tmp_path / "repo" / "drafter", omit_base_weights=True)
+    local = str(tmp_path / "base")
+    loaded = D3DDrafterModel.from_pretrained(tmp_path / "repo", subfolder="drafter", base_model=local)
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    # (transformers looks for remote code at the repo's top, not in the subfolder: the Auto path reads the folder)
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "repo" / "drafter", trust_remote_code=True, base_model=local)
+    for model in (loaded, auto):
+        assert model.config.base_model == "org/base-lm"
+        model.save_pretrained(tmp_path / "again", omit_base_weights=True)
+        assert json.loads((tmp_path / "again" / "config.json").read_text())["base_model"] == "org/base-lm"
+
+
 @pytest.mark.parametrize("damage", [b"not a safetensors file", b"\x10\x00\x00\x00\x00\x00\x00\x00{broken json}!!", b""])
 def test_a_corrupt_weights_file_of_a_drafter_with_a_base_is_refused_clearly(tmp_path, damage):
     _, drafter = _adapter_drafter("llama", tmp_path / "base")

@@ -28,6 +28,7 @@ from .configuration_d3d import D3DConfig
 _SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
 # from_pretrained keywords that say how to reach the Hub; a base LM is fetched with the same ones
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "proxies")
+_OWN_FILE_KWARGS = (*_HUB_KWARGS, "revision", "subfolder")  # where the drafter's own files are, not its base's
 
 
 def cpu_computes_bf16() -> bool:
@@ -411,15 +412,16 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
                 kwargs["dtype"] = torch.float32  # a bf16 checkpoint on an AVX2-only machine: fp32 is faster there
         want_info = kwargs.pop("output_loading_info", False)
         path = pretrained_model_name_or_path
+        stored = _stored_config(path, kwargs) if path is not None else None
         state = _with_base_weights(path, kwargs) if kwargs.get("state_dict") is None and path is not None else None
         if state is None:
             model, info = super().from_pretrained(path, *args, output_loading_info=True, **kwargs)
         else:
             # transformers takes a state dict only without a checkpoint path: config and generation config by hand
-            hub = {k: kwargs[k] for k in (*_HUB_KWARGS, "revision") if k in kwargs}
+            hub = {k: kwargs[k] for k in _OWN_FILE_KWARGS if k in kwargs}
             overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in cls.config_class.__annotations__}
             config = kwargs.pop("config", None) or cls.config_class.from_pretrained(path, **hub, **overrides)
-            for k in _HUB_KWARGS + ("revision",):
+            for k in _OWN_FILE_KWARGS:
                 kwargs.pop(k, None)
             model, info = super().from_pretrained(
                 None, *args, config=config, state_dict=state, output_loading_info=True, **kwargs
@@ -440,6 +442,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
                 "acceptance may be lower",
                 stacklevel=2,
             )
+        if stored and stored.get("base_model"):  # base_model= at load says where to fetch from, not what to save
+            model.config.base_model = stored["base_model"]
         return (model, info) if want_info else model
 
     def base_weight_names(self) -> list[str]:
@@ -625,20 +629,32 @@ def _tensor_names(safetensors_file: str) -> set[str]:
     return set(header) - {"__metadata__"}
 
 
+def _own_file(path, kwargs: dict, name: str) -> str | None:
+    """One of the drafter's own files (Hub cache, revision, subfolder), or ``None`` if it has none by that name."""
+    own = {k: kwargs[k] for k in _OWN_FILE_KWARGS if k in kwargs}
+    return cached_file(path, name, _raise_exceptions_for_missing_entries=False, **own)
+
+
+def _stored_config(path, kwargs: dict) -> dict | None:
+    """The checkpoint's ``config.json`` as stored, before any override passed to ``from_pretrained``."""
+    config_file = _own_file(path, kwargs, "config.json")
+    if config_file is None:
+        return None
+    with open(config_file) as f:
+        return json.load(f)
+
+
 def _with_base_weights(path, kwargs: dict) -> dict[str, torch.Tensor] | None:
     """For a checkpoint stored without its base weights: the whole state dict, its own tensors plus the base LM's
     (fetched); ``None`` for a checkpoint stored whole."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import load_state_dict
 
-    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-    find = functools.partial(cached_file, path, revision=kwargs.get("revision"), **hub)
-    config_file = find("config.json", _raise_exceptions_for_missing_entries=False)
-    weights_file = find("model.safetensors", _raise_exceptions_for_missing_entries=False)
-    if config_file is None or weights_file is None:
+    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}  # the base is another repo: no revision, no subfolder
+    config = _stored_config(path, kwargs)
+    weights_file = _own_file(path, kwargs, "model.safetensors")
+    if config is None or weights_file is None:
         return None  # let from_pretrained report it
-    with open(config_file) as f:
-        config = json.load(f)
     # AutoModel.from_pretrained moves config kwargs (base_model=...) into the config object it passes on
     given = kwargs.get("config")
     base = kwargs.get("base_model", getattr(given, "base_model", config.get("base_model")))
