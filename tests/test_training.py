@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -376,6 +377,30 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group
     assert [m["step"] for m in log] == list(range(1, 7))
     elapsed = [m["elapsed_s"] for m in log]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
+
+
+def test_a_checkpoint_is_resumed_only_as_the_run_it_belongs_to(toy, toy_data, tmp_path):
+    """A resume may run longer, save, evaluate and compute otherwise; another drafter, lr or data, or a --steps
+    below the checkpoint's step, is refused before anything is trained or written (each was silently resumed)."""
+    target, _ = toy
+    cfg = TrainConfig(max_steps=2, batch_size=4, lr=1e-3, warmup_steps=1, save_every=1, eval_every=1000)
+    final = train(make_drafter(target, block_size=4), toy_data, tmp_path, cfg)
+    written = (final / "model.safetensors").stat().st_mtime_ns
+    other_runs = [
+        (make_drafter(target, block_size=8), toy_data, dict(max_steps=3), "block_size"),
+        (make_drafter(target, block_size=4), toy_data, dict(max_steps=3, lr=1e-2), "lr"),
+        (make_drafter(target, block_size=4), toy_data[:-1], dict(max_steps=3), "training data"),
+        (make_drafter(target, block_size=4), toy_data, dict(max_steps=1), "past --steps 1"),
+    ]
+    for drafter, records, change, named in other_runs:
+        with pytest.raises(ValueError, match=named):
+            train(drafter, records, tmp_path, replace(cfg, **change))
+    assert (final / "model.safetensors").stat().st_mtime_ns == written
+    longer = replace(cfg, max_steps=3, save_every=2, save_dtype="bfloat16")  # the same run, on for a step
+    log = json.loads(
+        (train(make_drafter(target, block_size=4), toy_data, tmp_path, longer) / "training_log.json").read_text()
+    )
+    assert [m["step"] for m in log["log"]] == [1, 2, 3]
 
 
 def test_periodic_eval_logs_tau_with_both_models_on_the_training_device(toy, toy_data, tmp_path, monkeypatch):

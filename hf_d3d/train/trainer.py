@@ -8,8 +8,10 @@ the batches the interrupted one would have.
 
 from __future__ import annotations
 
+import array
 import copy
 import functools
+import hashlib
 import json
 import math
 import time
@@ -20,7 +22,7 @@ import torch
 from accelerate import Accelerator, DistributedType
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+from transformers import PretrainedConfig, PreTrainedModel, get_cosine_schedule_with_warmup
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from hf_d3d.atomic import atomic_folder, write_json_atomic
@@ -188,14 +190,67 @@ def check_replicated(distributed_type: DistributedType) -> None:
         )
 
 
+# What a resumed run may change: how long it runs and how it saves, evaluates and computes (a run moves between
+# machines), never what it trains (the optimizer's saved state would silently keep the old lr, for one).
+RUN_LOGISTICS = ("max_steps", "save_every", "eval_every", "save_dtype", "mixed_precision")
+DRAFTER_SHAPE = (
+    "num_hidden_layers", "hidden_size", "block_size", "vocab_size", "target_layer_ids", "block_adapter_rank",
+    "block_adapter_layers", "draft_vocab_size", "mask_token_id", "shifted_slots",
+)  # fmt: skip
+
+
+def data_fingerprint(records: list[dict]) -> str:
+    """sha256 of the records' token ids in order: which data, in which order, a run reads."""
+    digest = hashlib.sha256()
+    for r in records:
+        for ids in (r["prompt_ids"], r["response_ids"]):
+            digest.update(len(ids).to_bytes(4, "little") + array.array("q", [int(i) for i in ids]).tobytes())
+    return digest.hexdigest()
+
+
+def check_resume(
+    state: dict, config: TrainConfig, data_id: str, given: PretrainedConfig, saved: PretrainedConfig, ckpt: Path
+) -> None:
+    """Refuse to resume ``ckpt`` as another run: other settings, another drafter, other data, or past its end."""
+    if state["step"] > config.max_steps:
+        raise ValueError(
+            f"{ckpt} is at step {state['step']}, past --steps {config.max_steps} (an --epochs count shrinks under "
+            f"more processes): pass --steps {state['step']} or more, or a new --out"
+        )
+    before = state.get("config", {})
+    diffs = [
+        f"{k}: {before[k]!r} -> {v!r}"
+        for k, v in asdict(config).items()
+        if k in before and k not in RUN_LOGISTICS and before[k] != v
+    ]
+    diffs += [
+        f"drafter {k}: {getattr(saved, k, None)!r} -> {getattr(given, k, None)!r}"
+        for k in DRAFTER_SHAPE
+        if getattr(saved, k, None) != getattr(given, k, None)
+    ]
+    if state.get("data") not in (None, data_id):
+        diffs.append("the training data (other records, or in another order)")
+    if diffs:
+        raise ValueError(
+            f"{ckpt} holds another run ({'; '.join(diffs)}). Resume it with the settings it was started with, or "
+            f"train in a new --out (--init-from {ckpt} starts a new run from its weights)"
+        )
+
+
 def save_checkpoint(
-    out_dir: Path, drafter: PreTrainedModel, optimizer, step: int, config: TrainConfig, log: list
+    out_dir: Path,
+    drafter: PreTrainedModel,
+    optimizer,
+    step: int,
+    config: TrainConfig,
+    log: list,
+    data_id: str | None = None,
 ) -> None:
     """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in."""
     with atomic_folder(out_dir / CHECKPOINT, overwrite=True) as tmp:
         drafter.save_pretrained(tmp)
         optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
-        state = {"step": step, "config": asdict(config), "optimizer": optimizer_meta, "log": log}
+        state = {"step": step, "config": asdict(config), "data": data_id, "optimizer": optimizer_meta, "log": log}
         write_json_atomic(tmp / "trainer_state.json", state)
 
 
@@ -221,9 +276,12 @@ def train(
 
     step, log = 0, []
     ckpt = out / CHECKPOINT
+    data_id = data_fingerprint(records)
     if (ckpt / "trainer_state.json").is_file():
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        drafter = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype)
+        resumed = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype)
+        check_resume(state, config, data_id, dcfg, resumed.config, ckpt)
+        drafter, dcfg = resumed, resumed.config
         step, log = state["step"], state["log"]
     if config.adapters_only:
         if not dcfg.block_adapter_rank:
@@ -342,7 +400,7 @@ def train(
             tqdm.write(f"step {step}: eval tau {metrics['eval_tau']:.3f}")
         log.append(metrics)
         if accelerator.is_main_process and (step % config.save_every == 0 or step == config.max_steps):
-            save_checkpoint(out, accelerator.unwrap_model(model), optimizer, step, config, log)
+            save_checkpoint(out, accelerator.unwrap_model(model), optimizer, step, config, log, data_id)
         accelerator.wait_for_everyone()
     bar.close()
     final = out / FINAL
