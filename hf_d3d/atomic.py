@@ -47,6 +47,24 @@ def _writer_alive(suffix: str) -> bool:
     return True
 
 
+def recover_folder(out: str | Path) -> Path:
+    """``out``, put back from its last complete version if a writer died between the two renames of
+    :func:`atomic_folder` (so a reader, e.g. a resume, finds it)."""
+    out = Path(out)
+    old = out.with_name(f".{out.name}.old")
+    if old.exists() and not out.exists():
+        old.rename(out)
+    return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty sibling folder to fill; when the block succeeds it becomes ``out``, otherwise it is removed.
@@ -55,10 +73,8 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     ``out`` is refused before anything is written. Scratch folders of killed runs are removed; those of runs still
     writing (another process on this machine) are left alone.
     """
-    out = Path(out)
+    out = recover_folder(out)
     old = out.with_name(f".{out.name}.old")
-    if old.exists() and not out.exists():
-        old.rename(out)  # a run died between the two renames below: the old folder is the last complete one
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new folder")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -71,11 +87,15 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         yield tmp
         for path in [tmp, *tmp.rglob("*")]:  # readable by the other users of a shared cache, as a plain write would be
             open_up(path, umask)
+        # On disk before the swap: after a power loss the new folder is whole, never a name over empty files.
+        for path in [*(p for p in tmp.rglob("*") if p.is_file()), *(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+            _fsync(path)
         if old.exists():
             shutil.rmtree(old)
         if out.exists():
             out.rename(old)
         tmp.rename(out)
+        _fsync(out.parent)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():

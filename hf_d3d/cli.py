@@ -127,7 +127,9 @@ def _cmd_train(args: argparse.Namespace) -> None:
     # weights only to build the drafter from them; else its config does (a Qwen3-8B target in fp32 is 32 GB a process).
     from_target_weights = not args.init_from and args.whole_lm in (None, "target")
     target, tokenizer = load_target(args.target, weights=state.is_main_process or from_target_weights)
-    resuming = (Path(args.out) / "checkpoint" / "trainer_state.json").is_file()
+    resuming = any(
+        (Path(args.out) / name / "trainer_state.json").is_file() for name in ("checkpoint", ".checkpoint.old")
+    )
     if args.init_from:
         drafter = load_drafter(args.init_from, dtype="float32")
         if args.widen_block_adapters is not None:

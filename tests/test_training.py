@@ -379,9 +379,12 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
 
 
-def test_a_checkpoint_is_resumed_only_as_the_run_it_belongs_to(toy, toy_data, tmp_path):
+def test_a_checkpoint_is_resumed_only_as_the_run_it_belongs_to(toy, toy_data, tmp_path, monkeypatch):
     """A resume may run longer, save, evaluate and compute otherwise; another drafter, lr or data, or a --steps
     below the checkpoint's step, is refused before anything is trained or written (each was silently resumed)."""
+    from hf_d3d import atomic
+
+    real_fsync = atomic._fsync
     target, _ = toy
     cfg = TrainConfig(max_steps=2, batch_size=4, lr=1e-3, warmup_steps=1, save_every=1, eval_every=1000)
     final = train(make_drafter(target, block_size=4), toy_data, tmp_path, cfg)
@@ -396,11 +399,21 @@ def test_a_checkpoint_is_resumed_only_as_the_run_it_belongs_to(toy, toy_data, tm
         with pytest.raises(ValueError, match=named):
             train(drafter, records, tmp_path, replace(cfg, **change))
     assert (final / "model.safetensors").stat().st_mtime_ns == written
+    # a save cut between its two renames leaves the last checkpoint under its old name: resumed from there
+    (tmp_path / "checkpoint").rename(tmp_path / ".checkpoint.old")
+    steps, real_loss = [], trainer.d3d_loss
+    monkeypatch.setattr(trainer, "d3d_loss", lambda *a, **k: steps.append(1) or real_loss(*a, **k))
+    synced = []
+    monkeypatch.setattr(atomic, "_fsync", lambda path: synced.append(path) or real_fsync(path))
     longer = replace(cfg, max_steps=3, save_every=2, save_dtype="bfloat16")  # the same run, on for a step
     log = json.loads(
         (train(make_drafter(target, block_size=4), toy_data, tmp_path, longer) / "training_log.json").read_text()
     )
-    assert [m["step"] for m in log["log"]] == [1, 2, 3]
+    assert [m["step"] for m in log["log"]] == [1, 2, 3] and len(steps) == 1
+    # every file of the new checkpoint was on disk before the swap made it the checkpoint
+    assert {"model.safetensors", "optimizer.safetensors", "trainer_state.json"} <= {
+        p.name for p in synced if p.parent.name.startswith(".checkpoint-")
+    }
 
 
 def test_periodic_eval_logs_tau_with_both_models_on_the_training_device(toy, toy_data, tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel, get_cosine_schedule_with_warmup
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from hf_d3d.atomic import atomic_folder, write_json_atomic
+from hf_d3d.atomic import atomic_folder, recover_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DBlockAdapter, D3DDrafterModel
 from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
@@ -276,6 +276,9 @@ def train(
 
     step, log = 0, []
     ckpt = out / CHECKPOINT
+    if accelerator.is_main_process:
+        recover_folder(ckpt)  # a save cut between its two renames left the last checkpoint under its old name
+    accelerator.wait_for_everyone()
     data_id = data_fingerprint(records)
     if (ckpt / "trainer_state.json").is_file():
         state = json.loads((ckpt / "trainer_state.json").read_text())
