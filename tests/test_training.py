@@ -139,6 +139,24 @@ def test_resuming_with_other_prompts_is_refused(toy, tmp_path):
     assert len(load_records(tmp_path)) == 4
 
 
+def test_a_finished_run_or_another_target_is_not_taken_for_this_request(toy, tmp_path):
+    """A finished folder is returned only for the request it answered (a changed script used to get the old data
+    back as "ready"); an interrupted run is not resumed by another model of the same tokenizer."""
+    target, prompts = toy
+    cfg = DistillConfig(max_new_tokens=6, batch_size=4)
+    distill(target, ToyTokenizer(), prompts[:4], tmp_path, cfg)
+    assert distill(target, ToyTokenizer(), prompts[:4], tmp_path, DistillConfig(max_new_tokens=6, batch_size=2))
+    with pytest.raises(ValueError, match="finished run with other max_new_tokens"):
+        distill(target, ToyTokenizer(), prompts[:4], tmp_path, DistillConfig(max_new_tokens=9))
+    with pytest.raises(ValueError, match="finished run with other num_prompts"):
+        distill(target, ToyTokenizer(), prompts[:6], tmp_path, cfg)
+    (tmp_path / "meta.json").unlink()  # as if interrupted
+    other = tiny_target("llama", seed=12)
+    other.config.name_or_path = "org/another-model"
+    with pytest.raises(ValueError, match="other target"):
+        distill(other, ToyTokenizer(), prompts[:4], tmp_path, cfg)
+
+
 def test_the_targets_dtype_is_part_of_the_run(toy, tmp_path):
     target, prompts = toy
     cfg = DistillConfig(max_new_tokens=6, batch_size=4)

@@ -231,6 +231,7 @@ def _check_request(out: Path, request: dict) -> None:
         if "dtype" in request:  # requests written before the dtype was recorded all ran in float32
             old.setdefault("dtype", "float32")
         old.setdefault("max_prompt_tokens", None)  # nor did they leave prompts out
+        old.setdefault("target", request.get("target"))  # nor name the target (its meta does, once finished)
         if old != request:
             changed = sorted(k for k in request.keys() | old.keys() if old.get(k) != request.get(k))
             raise ValueError(f"{out} holds a run with other {', '.join(changed)}; distill into a new folder")
@@ -260,10 +261,25 @@ def distill(
     if backend not in ("transformers", "vllm"):
         raise ValueError(f"unknown backend {backend!r}; choose transformers or vllm")
     out = Path(out_dir)
+    # Which model answers, by name (a Hub id and a local copy of it are one target), and in which dtype: a bf16
+    # target's greedy answers part from the fp32 target's after a few dozen tokens, so they are another dataset.
+    name = Path(target if isinstance(target, str) else getattr(target.config, "name_or_path", "") or "").name
+    settings = {k: v for k, v in asdict(config).items() if k != "batch_size"}  # batching may change on resume
+    if not isinstance(target, str):
+        settings["dtype"] = str(target.dtype).removeprefix("torch.")
     # A run finished early (``finish_partial``) goes on when called again without it; any other finished run is done.
     finished = (out / META).exists()
     resume_partial = finished and not finish_partial and json.loads((out / META).read_text()).get("partial")
     if finished and not resume_partial:
+        asked = {**settings, "target": name, "backend": backend, "source": source, "num_prompts": len(prompts)}
+        meta = json.loads((out / META).read_text())
+        meta["target"] = Path(meta.get("target") or "").name
+        changed = sorted(k for k in asked if k in meta and meta[k] != asked[k])
+        if changed:
+            raise ValueError(
+                f"{out} holds a finished run with other {', '.join(changed)}; distill into a new folder (or delete "
+                f"its {META} to extend that run)"
+            )
         return out
     if finish_partial and not (out / RECORDS).is_file():
         raise FileNotFoundError(f"{out} holds no started distillation run: nothing to finish")
@@ -301,11 +317,7 @@ def distill(
     else:
         generate = transformers_backend(target, pad_id, config)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in asdict(config).items() if k != "batch_size"}  # batching may change on resume
-    # A bf16 target's greedy answers part from the fp32 target's after a few dozen tokens: another dataset.
-    if not isinstance(target, str):
-        settings["dtype"] = str(target.dtype).removeprefix("torch.")
-    _check_request(out, {"backend": backend, **settings})
+    _check_request(out, {"backend": backend, "target": name, **settings})
     done = _read_done(out / RECORDS, encoded)
     if finish_partial and not done:
         raise ValueError(f"{out} holds no answered prompt of this run: nothing to finish")
