@@ -426,7 +426,7 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     if bool(args.heal_data) != bool(args.heal_steps):
         raise SystemExit("--heal-steps and --heal-data go together (the fine-tune needs both its length and its data)")
     data_for = args.target or DEFAULT_TARGET  # the model any distilled data given must come from
-    heal = None
+    heal, heal_records = None, None
     if args.heal_steps:
         heal_config = TrainConfig(
             max_steps=args.heal_steps,
@@ -436,7 +436,8 @@ def _cmd_prune(args: argparse.Namespace) -> None:
             mixed_precision=args.mixed_precision,
             save_every=100,
         )
-        heal = make_healer(load_records(*args.heal_data, target=data_for), Path(args.out), heal_config)
+        heal_records = load_records(*args.heal_data, target=data_for)
+        heal = make_healer(heal_records, Path(args.out), heal_config)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
@@ -453,6 +454,13 @@ def _cmd_prune(args: argparse.Namespace) -> None:
             for source in args.holdout_prompts.split(",")
             for p in load_prompts(source, args.field, args.num_holdout_prompts)
         ]
+        # the judge's and the heal's data are calibration too: their prompts would flatter the held-out tau
+        seen = {tuple(r["prompt_ids"]) for r in (records if args.judge_data else []) + (heal_records or [])}
+        if any(tuple(h) in seen for h in holdout):
+            raise ValueError(
+                "some --holdout-prompts are prompts of --judge-data or --heal-data: hold out prompts the pruning "
+                "never sees (e.g. gsm8k:test, humaneval, sharegpt:heldout)"
+            )
     report = prune(
         target, drafter, ids, args.out, args.retention, args.target_depth, args.max_new_tokens, heal, judge, holdout
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -103,6 +104,16 @@ def insert_layers(drafter: D3DDrafterModel, target: PreTrainedModel, layer_ids: 
     return grown.eval()
 
 
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 of a model's weights, by name: tells one drafter (or training stage) from another."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(
+            name.encode() + tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
+    return digest.hexdigest()
+
+
 def tau_with_skipped(
     target: PreTrainedModel, drafter: D3DDrafterModel, prompts_ids: list[list[int]], skip: set[int], max_new: int
 ) -> float:
@@ -158,16 +169,36 @@ def prune(
         def judge(model: D3DDrafterModel, skip: set[int]) -> float:
             return tau_with_skipped(target, model, prompts_ids, skip, max_new_tokens)
 
+    calibration = {tuple(ids) for ids in prompts_ids}
+    if holdout_ids and any(tuple(ids) in calibration for ids in holdout_ids):
+        raise ValueError("some holdout prompts are calibration prompts: the holdout must be prompts pruning never sees")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_layers = drafter.config.num_hidden_layers
     floor = max(1, target_depth or 1)
+    # What a saved state answers: this drafter, pruned this way; resuming it for another is refused.
+    run = {
+        "drafter": weights_fingerprint(drafter),
+        "retention": retention,
+        "target_depth": target_depth,
+        "judge": getattr(judge, "description", "measured tau on the calibration prompts"),
+        "calibration": hashlib.sha256(repr(sorted(calibration)).encode()).hexdigest(),
+        "max_new_tokens": max_new_tokens,
+        "healed": heal is not None,
+    }
     state_path = out / STATE
     if state_path.is_file():
         state = json.loads(state_path.read_text())
+        changed = sorted(k for k, v in state.get("run", run).items() if run.get(k) != v)
+        if changed:
+            raise ValueError(
+                f"{out} holds the pruning of another drafter or with other settings ({', '.join(changed)}); "
+                "prune into a new --out"
+            )
     else:
         base = judge(drafter, set())
         state = {"base_tau": base, "removed": [], "steps": [{"layers": n_layers, "removed": None, "tau": base}]}
+        state["run"] = run
         write_json_atomic(state_path, state)
     base = state["base_tau"]
     # Healing rewrites the kept layers; keep the unhealed weights to go back to when a healed removal is refused.

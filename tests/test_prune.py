@@ -64,6 +64,23 @@ def test_prune_resumes_from_its_state(trained, tmp_path):
     assert again["steps"] == report["steps"] == state["steps"]
 
 
+def test_a_saved_pruning_is_resumed_only_for_its_drafter_and_settings(trained, tmp_path):
+    """Rerunning the recipe after retraining the drafter, or with another depth, used to replay the old run's
+    removals and report; and a holdout made of calibration prompts is no holdout."""
+    target, drafter, prompts = trained
+    prune(target, drafter, prompts, tmp_path, retention=0.99, max_new_tokens=24)
+    retrained = copy.deepcopy(drafter)
+    with torch.no_grad():
+        retrained.model.layers[0].mlp.up_proj.weight.mul_(1.1)
+    with pytest.raises(ValueError, match="another drafter or with other settings \\(drafter\\)"):
+        prune(target, retrained, prompts, tmp_path, retention=0.99, max_new_tokens=24)
+    with pytest.raises(ValueError, match="target_depth"):
+        prune(target, drafter, prompts, tmp_path, retention=0.99, target_depth=2, max_new_tokens=24)
+    with pytest.raises(ValueError, match="holdout prompts are calibration prompts"):
+        prune(target, drafter, prompts, tmp_path / "b", max_new_tokens=24, holdout_ids=prompts[:2])
+    assert not (tmp_path / "b").exists()
+
+
 def test_pruned_checkpoint_equals_skip_layer_model(trained, tmp_path, monkeypatch):
     target, drafter, prompts = trained
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -120,6 +137,7 @@ def test_healing_trains_the_smaller_drafter_and_resumes_without_retraining(
     cfg = TrainConfig(max_steps=20, batch_size=8, lr=3e-3, warmup_steps=2, save_every=1000)
     original = {k: v.clone() for k, v in drafter.state_dict().items()}
     healed = copy.deepcopy(drafter)
+    holdout = [ids[::-1] for ids in prompts[:4]]  # prompts the pruning never sees
     report = prune(
         target,
         healed,
@@ -128,13 +146,13 @@ def test_healing_trains_the_smaller_drafter_and_resumes_without_retraining(
         target_depth=2,
         max_new_tokens=24,
         heal=make_healer(heal_records, tmp_path, cfg),
-        holdout_ids=prompts,
+        holdout_ids=holdout,
     )
     step = report["steps"][1]
     assert step["accepted"] and "healed_tau" in step and report["final_tau"] == step["healed_tau"]
     assert report["healed"] is True
     # "before" is the drafter as it was given, not the one the heals rewrote in place
-    assert report["holdout"]["tau_before"] == measure_tau(target, drafter, prompts, 24)["tau"]
+    assert report["holdout"]["tau_before"] == measure_tau(target, drafter, holdout, 24)["tau"]
     removed = step["removed"]
     keep = [i for i in range(3) if i != removed]
     # The heal trained a 2-layer copy; its layers are written back into the kept layers, which have moved.
