@@ -67,6 +67,10 @@ def _cmd_pack_data(args: argparse.Namespace) -> None:
     from hf_d3d.targets import resolve_target
     from hf_d3d.train.distill import pack_run
 
+    names = [Path(folder).name for folder in args.data]
+    if len(set(names)) < len(names):  # one would overwrite the other: a file is named after its run's folder
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"two runs named {', '.join(twice)}: each packs to <out-dir>/<run name>.safetensors")
     vocab = AutoConfig.from_pretrained(resolve_target(args.target)).get_text_config().vocab_size
     for folder in args.data:
         path = pack_run(folder, Path(args.out_dir) / f"{Path(folder).name}.safetensors", vocab)

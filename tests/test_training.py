@@ -490,6 +490,31 @@ def test_bad_records_are_refused():
         validate_records([{**good, "prompt_ids": list(range(4, 90)) * 6}], 96, 512, 4)
     with pytest.raises(ValueError, match="outside the drafter vocabulary"):
         validate_records([{**good, "response_ids": [500]}], 96, 512, 4)
+    with pytest.raises(ValueError, match="empty prompt"):  # its first block would open after position -1
+        validate_records([{**good, "prompt_ids": []}], 96, 512, 4)
+
+
+def test_fewer_records_than_one_step_reads_are_refused(toy, toy_data, tmp_path, monkeypatch):
+    """Under a 2-process launch, 3 records at batch 2: the second process would get an empty batch while the
+    first waits in the gradient sync (a hang); refused before any step."""
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    target, _ = toy
+    with pytest.raises(ValueError, match="3 records are fewer than one step reads: 2 per process x 2"):
+        train(make_drafter(target), toy_data[:3], tmp_path, TrainConfig(max_steps=1, batch_size=2))
+    assert not (tmp_path / "final").exists()
+
+
+def test_pack_data_refuses_two_runs_of_one_name(tmp_path, capsys):
+    from hf_d3d.cli import main
+
+    for parent in ("a", "b"):
+        (tmp_path / parent / "gsm8k_train_0").mkdir(parents=True)
+    runs = [str(tmp_path / p / "gsm8k_train_0") for p in ("a", "b")]
+    assert main(["pack-data", "--data", *runs, "--out-dir", str(tmp_path / "out")]) == 2
+    assert "two runs named gsm8k_train_0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("field", ["max_steps", "batch_size", "grad_accum", "eval_every", "save_every"])

@@ -143,6 +143,8 @@ def validate_records(records: list[dict], vocab_size: int, max_positions: int, b
                 raise KeyError(f"record {r.get('idx', '?')} lacks {key!r}")
         if not r["response_ids"]:
             raise ValueError(f"record {r.get('idx', '?')} has an empty response")
+        if not r["prompt_ids"]:  # a block opens after the last prompt token
+            raise ValueError(f"record {r.get('idx', '?')} has an empty prompt")
         ids = r["prompt_ids"] + r["response_ids"]
         if len(ids) + block_size > max_positions:
             raise ValueError(
@@ -327,6 +329,11 @@ def train(
     pad_id = dcfg.pad_token_id if dcfg.pad_token_id is not None else 0
     fill_id = dcfg.mask_token_id if dcfg.mask_token_id is not None else 0
     per_step = config.batch_size * accelerator.num_processes
+    if len(records) < per_step:  # a process would get an empty batch and the others would wait for it forever
+        raise ValueError(
+            f"{len(records)} records are fewer than one step reads: {config.batch_size} per process x "
+            f"{accelerator.num_processes} processes"
+        )
     steps_per_epoch = max(1, len(records) // per_step)
 
     # With block adapters alone trained, the context's computation is the frozen LM's: the forward skips autograd
