@@ -52,6 +52,13 @@ def test_distill_resumes_and_marks_completion(toy, tmp_path):
     distill(target, ToyTokenizer(), prompts[:4], tmp_path, cfg)
     first = (tmp_path / "records.jsonl").read_text()
     (tmp_path / "meta.json").unlink()  # pretend the run died after the first prompts were written
+    lines = first.splitlines(keepends=True)
+    (tmp_path / "records.jsonl").write_text("".join(lines[:-1]) + lines[-1].rstrip("\n"))  # killed before its "\n"
+    with pytest.raises(FileNotFoundError, match="not a finished"):
+        load_records(tmp_path)
+    distill(target, ToyTokenizer(), prompts[:4], tmp_path, cfg)  # the record without its newline is answered again
+    assert (tmp_path / "records.jsonl").read_text() == first
+    (tmp_path / "meta.json").unlink()
     with open(tmp_path / "records.jsonl", "a") as f:
         f.write('{"idx": 9, "prompt_ids": [1, 2')  # and a torn last line
     with pytest.raises(FileNotFoundError, match="not a finished"):

@@ -72,6 +72,8 @@ def _read_done(records: Path, encoded: list[list[int]]) -> set[int]:
     good_bytes = 0
     with open(records, "rb") as f:
         for line in f:
+            if not line.endswith(b"\n"):  # whole JSON but no newline: the next append would join it to its record
+                break
             try:
                 record = json.loads(line)
                 idx, prompt = record["idx"], record["prompt_ids"]
