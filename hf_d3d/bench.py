@@ -68,16 +68,17 @@ def _runner(
     if method in ("d3d_sync", "d3d_async"):
 
         def run(x):
-            drafter.config.async_drafting = method == "d3d_async"
+            configured, drafter.config.async_drafting = drafter.config.async_drafting, method == "d3d_async"
             try:
                 return gen(x, assistant_model=drafter)
             finally:
-                drafter.config.async_drafting = None
+                drafter.config.async_drafting = configured  # the later methods run the drafter as configured
 
         return run
     if method in ("d3d_fast", "d3d_fast_chain"):  # the chain: what the fast loop's trees add, and what its loop does
         tree = None if method == "d3d_fast" else False
-        return lambda x: speculative_generate(target, drafter, x, max_new_tokens=max_new, skinny=skinny, tree=tree)
+        # greedy as every peer, whatever the target's generation_config says (Qwen3's and Llama 3's sample)
+        return lambda x: speculative_generate(target, drafter, x, **common, skinny=skinny, tree=tree)
     if method == "d3d_fused":  # a drafter that is its target plus adapters: one target forward per round
         return lambda x: fused_generate(target, drafter, x, max_new_tokens=max_new)
     raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")

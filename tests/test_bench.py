@@ -33,6 +33,19 @@ def test_bench_schema_and_outputs(tmp_path):
     assert paths[2].stat().st_size > 1000  # a real PNG
 
 
+def test_every_method_is_greedy_on_a_sampling_target_and_the_drafters_own_setting_stays(tmp_path):
+    """Qwen3 and Llama 3 ship generation configs that sample: the fast loop took them up while every peer was
+    greedy. And a drafter configured to draft asynchronously is still so after the d3d_sync runs."""
+    target = tiny_target("llama")
+    target.generation_config.update(do_sample=True, temperature=0.7, top_k=5)
+    drafter = make_drafter(target, block_size=4)
+    drafter.config.async_drafting = True
+    methods = ["plain", "d3d_sync", "d3d_fast", "d3d_fast_chain"]
+    result = bench.run_bench(target, drafter, [[5, 6, 7], [8, 9, 10, 11]], methods, max_new_tokens=12)
+    assert result["all_identical"]
+    assert drafter.config.async_drafting is True
+
+
 def test_bench_exact_runs_every_method_but_plain_under_exact_verification(monkeypatch):
     from hf_d3d.exact import is_exact
 
