@@ -23,4 +23,4 @@ esac
 [ -d "$AR_PEER" ] || .venv/bin/hf-d3d export-ar --drafter "$DRAFTER" --out "$AR_PEER"
 .venv/bin/hf-d3d bench --drafter "$DRAFTER" --ar-drafter "$AR_PEER" --prompts gsm8k:test \
     --num-prompts "$NUM_PROMPTS" --max-new-tokens 128 \
-    --methods plain,assisted_ar,prompt_lookup,d3d_sync,d3d_async,d3d_fast "${MODE[@]}"
+    --methods plain,assisted_ar,prompt_lookup,d3d_hub,d3d_sync,d3d_async,d3d_fast "${MODE[@]}"
