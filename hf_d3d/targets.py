@@ -138,7 +138,6 @@ def load_drafter(
         # a drafter stored without its base LM fetches it; the embedded default comes from its local copy
         local_base = {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
         drafter = D3DDrafterModel.from_pretrained(path, dtype=dtype, **local_base)
-        drafter.config.base_model = base  # the id it names, not the local copy it was read from
     except OSError as err:
         raise OSError(
             f"Cannot load drafter {path!r}: not a local folder and the Hub is not reachable (offline or unknown id). "
