@@ -404,6 +404,41 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
 
 
+def test_fp16_loss_scale_continues_across_a_resume(toy, toy_data, tmp_path, monkeypatch):
+    """fp16 training's loss scaler is saved with each checkpoint and restored: a resumed run goes on from the scale
+    it had reached (it restarted from the initial scale). A CPU accelerator has no scaler, so one is given here: a
+    CPU GradScaler that doubles its scale after every step without overflow."""
+    from accelerate import Accelerator
+
+    scalers = []
+
+    class WithScaler(Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+            scalers.append(self.scaler)
+
+    monkeypatch.setattr(trainer, "Accelerator", WithScaler)
+    target, _ = toy
+    cfg = TrainConfig(max_steps=6, batch_size=4, lr=1e-3, warmup_steps=2, save_every=3, eval_every=1000)
+    train(make_drafter(target, block_size=4), toy_data, tmp_path / "a", cfg)
+    straight = scalers[-1].get_scale()
+    assert straight > 2.0**4  # the scale moved: a restart from the initial scale would show
+
+    real_save = trainer.save_checkpoint
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise Killed
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
+    assert scalers[-1].get_scale() == straight
+
+
 def test_a_checkpoint_is_resumed_only_as_the_run_it_belongs_to(toy, toy_data, tmp_path, monkeypatch):
     """A resume may run longer, save, evaluate and compute otherwise; another drafter, lr or data, or a --steps
     below the checkpoint's step, is refused before anything is trained or written (each was silently resumed)."""

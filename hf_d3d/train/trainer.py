@@ -247,12 +247,18 @@ def save_checkpoint(
     config: TrainConfig,
     log: list,
     data_id: str | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
-    """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in."""
+    """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in.
+
+    ``scaler``: fp16 training's loss scaler, whose scale a resume continues from (a fresh one would start at its
+    initial scale and skip steps on overflow until it had backed off again)."""
     with atomic_folder(out_dir / CHECKPOINT, overwrite=True) as tmp:
         drafter.save_pretrained(tmp)
         optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
         state = {"step": step, "config": asdict(config), "data": data_id, "optimizer": optimizer_meta, "log": log}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
         write_json_atomic(tmp / "trainer_state.json", state)
 
 
@@ -314,6 +320,8 @@ def train(
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     if step:
         _load_optimizer(optimizer, ckpt / "optimizer.safetensors", state["optimizer"])
+        if accelerator.scaler is not None and state.get("scaler"):  # absent when the run moved from bf16 or no AMP
+            accelerator.scaler.load_state_dict(state["scaler"])
     # Resuming: the schedule starts at the saved step (the loaded param groups carry its initial_lr).
     scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps, last_epoch=step - 1)
     # The scheduler stays outside prepare(): accelerate would step it once per process, but max_steps counts
@@ -410,7 +418,9 @@ def train(
             tqdm.write(f"step {step}: eval tau {metrics['eval_tau']:.3f}")
         log.append(metrics)
         if accelerator.is_main_process and (step % config.save_every == 0 or step == config.max_steps):
-            save_checkpoint(out, accelerator.unwrap_model(model), optimizer, step, config, log, data_id)
+            save_checkpoint(
+                out, accelerator.unwrap_model(model), optimizer, step, config, log, data_id, accelerator.scaler
+            )
         accelerator.wait_for_everyone()
     bar.close()
     final = out / FINAL
