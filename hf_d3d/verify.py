@@ -33,7 +33,9 @@ def verify_sampling(
     k = draft.shape[0]
     idx = torch.arange(k, device=draft.device)
     p_tok, q_tok = p_probs[idx, draft], q_probs[idx, draft]
-    u = torch.rand(k, generator=generator, device=draft.device)
+    # drawn where the generator lives (a CPU generator cannot draw on a GPU), then moved: the same numbers either way
+    at = generator.device if generator is not None else draft.device
+    u = torch.rand(k, generator=generator, device=at).to(draft.device)
     keep = u * q_tok < p_tok  # u < p/q without dividing by a q that may be tiny; strict, so p == 0 never keeps
     n = int(keep.int().cumprod(0).sum())
     if n < k:
@@ -43,4 +45,4 @@ def verify_sampling(
         dist = residual / total if total > 0 else p_probs[n]
     else:
         dist = p_probs[k]
-    return n, int(torch.multinomial(dist, 1, generator=generator))
+    return n, int(torch.multinomial(dist.to(at), 1, generator=generator))

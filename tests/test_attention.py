@@ -75,3 +75,26 @@ def test_context_logits_match_plain_causal_forward():
     full = make_drafter(target, layers=target.config.num_hidden_layers)
     x = torch.randint(4, 96, (1, 15))
     torch.testing.assert_close(full(x).logits, target(x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_repeated_kv_heads_attend_as_grouped_ones():
+    """On CUDA the drafter repeats grouped KV heads under a mask (so SDPA keeps a fused kernel); the result must be
+    grouped attention's: query head h reads KV head h // groups (a ``repeat`` instead of ``repeat_interleave`` would
+    pair heads wrongly and fail here)."""
+    from hf_d3d.modeling.modeling_d3d import _attend
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 4, generator=gen)  # 6 query heads over 2 KV heads: groups of 3
+    k, v = torch.randn(2, 2, 7, 4, generator=gen), torch.randn(2, 2, 7, 4, generator=gen)
+    mask = torch.rand(2, 1, 5, 7, generator=gen) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    grouped = _attend(q, k, v, mask, repeat_kv=False)
+    torch.testing.assert_close(_attend(q, k, v, mask, repeat_kv=True), grouped)
+    by_hand = torch.stack(
+        [
+            torch.nn.functional.scaled_dot_product_attention(q[:, h], k[:, h // 3], v[:, h // 3], mask[:, 0])
+            for h in range(6)
+        ],
+        dim=1,
+    )
+    torch.testing.assert_close(grouped, by_hand)

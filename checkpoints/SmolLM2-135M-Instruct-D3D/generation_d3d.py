@@ -238,7 +238,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self._fill_id = fill if fill is not None else 0  # slot embeddings are replaced, the id only fills the tensor
         if async_drafting is None:
             async_drafting = getattr(config, "async_drafting", None)
-        device = next(drafter.parameters()).device
+        device = self._device = next(drafter.parameters()).device
         if async_drafting is None:  # opt-in: on one H200, eager PyTorch hid none of the packed pass behind the
             async_drafting = False  # verify forward (one host thread launches both), so it only added its cost
         self.async_drafting = bool(async_drafting)
@@ -293,6 +293,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 f"D3D drafting supports batch size 1 (as transformers' assisted decoding); got {input_ids.shape[0]}"
             )
         start = time.perf_counter()
+        caller, input_ids = input_ids.device, input_ids.to(self._device)  # the fast loop passes the target's device
         self._observe(input_ids)
         k = self.block_size if max_new_tokens is None else max(0, min(self.block_size, max_new_tokens))
         logits = self._take_hypothesis(input_ids)
@@ -301,7 +302,9 @@ class D3DCandidateGenerator(CandidateGenerator):
                 self._idle -= 1
                 self._last_draft, self._last_len = input_ids[:, :0], input_ids.shape[1]
                 self.stats.rounds += 1
-            return input_ids, input_ids.new_zeros((1, 0, self.drafter.config.vocab_size), dtype=torch.float)
+            return input_ids.to(caller), input_ids.new_zeros(
+                (1, 0, self.drafter.config.vocab_size), dtype=torch.float, device=caller
+            )
         if logits is None or logits.shape[1] == 0:
             logits = self._draft_logits(input_ids)
         logits = logits[:, :k]
@@ -325,7 +328,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             self._launch_packed(input_ids, draft, logits)
         # host time before the target can verify; on CPU the packed pass runs in line and so is included
         self.stats.critical_draft_seconds += time.perf_counter() - start
-        return torch.cat([input_ids, draft], dim=1), scores
+        return torch.cat([input_ids, draft], dim=1).to(caller), scores.to(caller)
 
     @torch.no_grad()
     def get_slot_candidates(
@@ -334,6 +337,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         """The ``width`` best candidates (log-probabilities, token ids) of each of the first ``depth`` slots of a
         block anchored at the last committed token, best first: what a draft tree is built from (one host read)."""
         start = time.perf_counter()
+        input_ids = input_ids.to(self._device)
         self._observe(input_ids)
         logits = self._draft_logits(input_ids)[0, :depth]
         top = logits.log_softmax(-1).topk(min(width, logits.shape[-1]), -1)

@@ -150,8 +150,18 @@ class D3DAttention(nn.Module):
             k_ctx, v_ctx = cache.update(k[:, :, :num_context], v[:, :, :num_context], self.layer_idx)
             k = torch.cat([k_ctx, k[:, :, num_context:]], dim=2)
             v = torch.cat([v_ctx, v[:, :, num_context:]], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = _attend(q, k, v, mask, repeat_kv=q.is_cuda)
         return _project(self.o_proj, ad, "o_proj", out.transpose(1, 2).reshape(b, t, -1), num_context)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, repeat_kv: bool) -> torch.Tensor:
+    """SDPA with grouped KV heads (query head h reads KV head h // groups). ``repeat_kv``: repeat the KV heads instead
+    of ``enable_gqa``, which with a mask leaves CUDA only its math kernel (every score materialised, as transformers'
+    ``use_gqa_in_sdpa`` notes); the memory-efficient kernel takes a mask with repeated heads."""
+    groups = q.shape[1] // k.shape[1]
+    if repeat_kv and groups > 1 and mask is not None:
+        k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=groups > 1)
 
 
 class D3DMLP(nn.Module):
@@ -464,10 +474,15 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
+    @torch.no_grad()
     def base_checksum(self) -> float:
         """Sum of squares of the base weights (fp64), which tells one base LM from another."""
         params = dict(self.named_parameters())
-        return float(sum(params[n].double().square().sum() for n in self.base_weight_names() if n in params))
+        total = 0.0
+        for n in self.base_weight_names():
+            if n in params:  # in chunks: an fp64 copy of a large embedding whole would take GBs of GPU memory
+                total += sum(float(c.double().square().sum()) for c in params[n].reshape(-1).split(1 << 24))
+        return total
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, **kwargs):
