@@ -177,6 +177,7 @@ def _plan(
     gen = D3DCandidateGenerator(
         drafter, procs, do_sample=do_sample, async_drafting=async_drafting, target_dtype=target.dtype, skinny=skinny
     )
+    gen.defer_packed = True  # _chain_round launches the packed pass once the verify forward is queued
     why_not = tree_unsupported(target, cache, do_sample)
     if why_not is None and gen.async_drafting:
         why_not = "async drafting prepares the next chain's outcomes; draft trees draft in sync"
@@ -376,6 +377,7 @@ def _chain_round(target, gen, seq, cache, cached, budget, procs, trims_logits, d
     logits = _verified_logits(
         target, cand[:, cached:], cache, k + 1, procs, lambda i: cand[:, : seq.shape[1] + i], trims_logits
     )
+    gen.launch_deferred()  # async drafting: the next blocks, beside the verify (on a GPU) before its result is read
     draft = cand[0, seq.shape[1] :]
     if do_sample:
         n, nxt = verify_sampling(draft, q_scores[0].softmax(-1), logits.softmax(-1), generator)

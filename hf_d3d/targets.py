@@ -105,8 +105,10 @@ def load_target(
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model.eval(), tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    if device is not None:
+    # straight onto a GPU: a large target read into host memory first would need its whole size there too
+    gpu = device is not None and torch.device(device).type != "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device if gpu else None)
+    if device is not None and not gpu:
         model.to(device)
     model.eval()
     return model, tokenizer

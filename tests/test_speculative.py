@@ -90,6 +90,40 @@ def test_custom_generate_entry_point(cache):
     assert torch.equal(out, ref)
 
 
+def test_async_fast_loop_queues_the_verify_before_the_packed_pass(monkeypatch):
+    """Verify first (DESIGN section 3): in every async round of the fast loop the target's forward that verifies a
+    draft is called before the drafter's packed pass for that draft is launched, so on a GPU that launch no longer
+    holds the verify back; the output stays plain greedy's."""
+    from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
+
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    calls = []  # ("verify", ids it read) and ("packed", the draft it assumed), in call order
+    real_launch = D3DCandidateGenerator._launch_packed
+
+    def launch(self, input_ids, draft, logits):
+        calls.append(("packed", draft[0].tolist()))
+        return real_launch(self, input_ids, draft, logits)
+
+    monkeypatch.setattr(D3DCandidateGenerator, "_launch_packed", launch)
+
+    def verify(_, args, kw):
+        calls.append(("verify", (args[0] if args else kw["input_ids"])[0].tolist()))
+
+    handle = target.register_forward_pre_hook(verify, with_kwargs=True)
+    try:
+        x = torch.tensor([[5, 6, 7, 8, 9]])
+        out = speculative_generate(target, drafter, x, max_new_tokens=24, async_drafting=True)
+    finally:
+        handle.remove()
+    assert torch.equal(out, plain(target, x, 24, None))
+    packed = [i for i, (kind, _) in enumerate(calls) if kind == "packed"]
+    assert len(packed) >= 2
+    for i in packed:  # the call just before is the verify forward whose input ends with this draft
+        kind, ids = calls[i - 1] if i else ("none", [])
+        draft = calls[i][1]
+        assert kind == "verify" and ids[-len(draft) :] == draft, calls
+
+
 def test_static_cache_refuses_sliding_window_targets():
     target = tiny_target("llama")
     target.config.sliding_window = 8  # a ring-buffer cache layer cannot be rolled back by moving its position

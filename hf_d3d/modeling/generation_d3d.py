@@ -252,6 +252,10 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.num_hypotheses = num_hypotheses or getattr(config, "num_hypotheses", 4)
         self._side_stream = torch.cuda.Stream(device) if self.async_drafting and device.type == "cuda" else None
         self._pending: _Pending | None = None
+        # A loop that owns the rounds (hf_d3d.speculative_generate) sets this, queues the target's verify forward, and
+        # then calls launch_deferred(): the packed pass's launch no longer delays the verify's (DESIGN: verify first).
+        self.defer_packed = False
+        self._deferred: tuple | None = None
         # Drafting works over the draft vocabulary (argmax, confidences, hypotheses: a sixth of the work for 8k of
         # 49k tokens); full-vocabulary logits are built only for what get_candidates hands back.
         self._vocab = drafter.draft_vocab if getattr(config, "draft_vocab_size", None) else None
@@ -325,7 +329,10 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.stats.rounds += 1
         self.stats.drafted_tokens += k
         if self.async_drafting and k:  # without a draft the target's one-row forward leaves nothing to hide behind
-            self._launch_packed(input_ids, draft, logits)
+            if self.defer_packed:
+                self._deferred = (input_ids, draft, logits)
+            else:
+                self._launch_packed(input_ids, draft, logits)
         # host time before the target can verify; on CPU the packed pass runs in line and so is included
         self.stats.critical_draft_seconds += time.perf_counter() - start
         return torch.cat([input_ids, draft], dim=1).to(caller), scores.to(caller)
@@ -381,6 +388,15 @@ class D3DCandidateGenerator(CandidateGenerator):
             return self.drafter(ids, layout=layout, logits_to_keep=keep, **cache, **draft_only).logits
 
     # -- asynchronous packed drafting ------------------------------------------------------------------------------
+    def launch_deferred(self) -> None:
+        """Launch the packed pass that :meth:`get_candidates` held back under ``defer_packed`` (none: nothing)."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            start = time.perf_counter()
+            self._launch_packed(*deferred)
+            if self._side_stream is None:  # it ran in line: the loop waited for it, as for a sync draft
+                self.stats.critical_draft_seconds += time.perf_counter() - start
+
     def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:
         """Draft the next block for the likeliest outcomes of verifying ``draft``, in one packed forward.
 
