@@ -281,6 +281,7 @@ def speculative_generate(
         skinny,
     )
     drafter.last_stats = plan.gen.stats
+    plan.gen.generator = generator  # one seeded generator makes a sampled run repeatable, drafts included
     seq = input_ids.to(target.device)
     if streamer is not None:
         streamer.put(seq.cpu())

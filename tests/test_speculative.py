@@ -124,6 +124,20 @@ def test_async_fast_loop_queues_the_verify_before_the_packed_pass(monkeypatch):
         assert kind == "verify" and ids[-len(draft) :] == draft, calls
 
 
+def test_a_seeded_generator_repeats_a_sampled_run_drafts_included():
+    """speculative_generate(generator=...) draws every random number from it, the drafter's sampled drafts too: two
+    runs with one seed agree whatever torch's global RNG holds (the drafts were drawn from the global RNG)."""
+    target, drafter = TARGETS["qwen3"], DRAFTERS[("qwen3", 4)]
+    x = torch.tensor([[9, 10, 11, 12]])
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        gen = torch.Generator().manual_seed(0)
+        kw = dict(max_new_tokens=40, do_sample=True, top_k=0, temperature=1.5, generator=gen)
+        runs.append(speculative_generate(target, drafter, x, **kw))
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_static_cache_refuses_sliding_window_targets():
     target = tiny_target("llama")
     target.config.sliding_window = 8  # a ring-buffer cache layer cannot be rolled back by moving its position

@@ -255,6 +255,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         # A loop that owns the rounds (hf_d3d.speculative_generate) sets this, queues the target's verify forward, and
         # then calls launch_deferred(): the packed pass's launch no longer delays the verify's (DESIGN: verify first).
         self.defer_packed = False
+        self.generator: torch.Generator | None = None  # what sampled drafts draw from (None: torch's global RNG)
         self._deferred: tuple | None = None
         # Drafting works over the draft vocabulary (argmax, confidences, hypotheses: a sixth of the work for 8k of
         # 49k tokens); full-vocabulary logits are built only for what get_candidates hands back.
@@ -396,6 +397,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             self._launch_packed(*deferred)
             if self._side_stream is None:  # it ran in line: the loop waited for it, as for a sync draft
                 self.stats.critical_draft_seconds += time.perf_counter() - start
+
     def _launch_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> None:
         """Draft the next block for the likeliest outcomes of verifying ``draft``, in one packed forward.
 
@@ -497,8 +499,9 @@ class D3DCandidateGenerator(CandidateGenerator):
             # device once per round; meanwhile such a row draws from a harmless uniform stand-in.
             proposable[i] = torch.isfinite(scores[:, i]).any()
             row = torch.where(proposable[i], scores[:, i], 0.0)
-            if self.do_sample:
-                nxt = torch.multinomial(row.softmax(-1), 1)
+            if self.do_sample:  # drawn where the generator lives (a CPU one cannot draw on a GPU), then moved
+                at = self.generator.device if self.generator is not None else row.device
+                nxt = torch.multinomial(row.softmax(-1).to(at), 1, generator=self.generator).to(row.device)
             else:
                 nxt = row.argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
