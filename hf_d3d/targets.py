@@ -107,7 +107,7 @@ def load_target(
         return model.eval(), tokenizer
     # straight onto a GPU: a large target read into host memory first would need its whole size there too
     gpu = device is not None and torch.device(device).type != "cpu"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device if gpu else None)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=torch.device(device) if gpu else None)
     if device is not None and not gpu:
         model.to(device)
     model.eval()

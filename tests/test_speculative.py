@@ -91,24 +91,29 @@ def test_custom_generate_entry_point(cache):
 
 
 def test_async_fast_loop_queues_the_verify_before_the_packed_pass(monkeypatch):
-    """Verify first (DESIGN section 3): in every async round of the fast loop the target's forward that verifies a
-    draft is called before the drafter's packed pass for that draft is launched, so on a GPU that launch no longer
-    holds the verify back; the output stays plain greedy's."""
+    """Verify first (DESIGN section 3): in every async round of the fast loop the packed pass's inputs are prepared
+    (its host reads made) before the target's verify forward for that draft is called, and the pass is launched just
+    after it, so on a GPU the launch no longer holds the verify back and no read waits for it; the output stays
+    plain greedy's."""
     from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 
     target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
-    calls = []  # ("verify", ids it read) and ("packed", the draft it assumed), in call order
-    real_launch = D3DCandidateGenerator._launch_packed
+    calls = []  # (kind, tokens): the verify's input ids, or the draft a packed pass was prepared or started for
+    real_prepare, real_start = D3DCandidateGenerator._prepare_packed, D3DCandidateGenerator._start_packed
 
-    def launch(self, input_ids, draft, logits):
-        calls.append(("packed", draft[0].tolist()))
-        return real_launch(self, input_ids, draft, logits)
+    def prepare(self, input_ids, draft, logits):
+        calls.append(("prepare", draft[0].tolist()))
+        return real_prepare(self, input_ids, draft, logits)
 
-    monkeypatch.setattr(D3DCandidateGenerator, "_launch_packed", launch)
+    def start(self, prepared):
+        calls.append(("start", prepared[1]))
+        return real_start(self, prepared)
 
     def verify(_, args, kw):
         calls.append(("verify", (args[0] if args else kw["input_ids"])[0].tolist()))
 
+    monkeypatch.setattr(D3DCandidateGenerator, "_prepare_packed", prepare)
+    monkeypatch.setattr(D3DCandidateGenerator, "_start_packed", start)
     handle = target.register_forward_pre_hook(verify, with_kwargs=True)
     try:
         x = torch.tensor([[5, 6, 7, 8, 9]])
@@ -116,12 +121,12 @@ def test_async_fast_loop_queues_the_verify_before_the_packed_pass(monkeypatch):
     finally:
         handle.remove()
     assert torch.equal(out, plain(target, x, 24, None))
-    packed = [i for i, (kind, _) in enumerate(calls) if kind == "packed"]
-    assert len(packed) >= 2
-    for i in packed:  # the call just before is the verify forward whose input ends with this draft
-        kind, ids = calls[i - 1] if i else ("none", [])
+    started = [i for i, (kind, _) in enumerate(calls) if kind == "start"]
+    assert len(started) >= 2
+    for i in started:  # just before: the verify forward whose input ends with this draft, and before it, the prepare
         draft = calls[i][1]
-        assert kind == "verify" and ids[-len(draft) :] == draft, calls
+        assert i >= 2 and calls[i - 2] == ("prepare", draft), calls
+        assert calls[i - 1][0] == "verify" and calls[i - 1][1][-len(draft) :] == draft, calls
 
 
 def test_a_seeded_generator_repeats_a_sampled_run_drafts_included():

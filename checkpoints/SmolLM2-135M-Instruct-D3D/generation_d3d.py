@@ -331,7 +331,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.stats.drafted_tokens += k
         if self.async_drafting and k:  # without a draft the target's one-row forward leaves nothing to hide behind
             if self.defer_packed:
-                self._deferred = (input_ids, draft, logits)
+                self._deferred = self._prepare_packed(input_ids, draft, logits)
             else:
                 self._launch_packed(input_ids, draft, logits)
         # host time before the target can verify; on CPU the packed pass runs in line and so is included
@@ -390,11 +390,11 @@ class D3DCandidateGenerator(CandidateGenerator):
 
     # -- asynchronous packed drafting ------------------------------------------------------------------------------
     def launch_deferred(self) -> None:
-        """Launch the packed pass that :meth:`get_candidates` held back under ``defer_packed`` (none: nothing)."""
+        """Launch the packed pass that :meth:`get_candidates` prepared and held back under ``defer_packed``."""
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             start = time.perf_counter()
-            self._launch_packed(*deferred)
+            self._start_packed(deferred)
             if self._side_stream is None:  # it ran in line: the loop waited for it, as for a sync draft
                 self.stats.critical_draft_seconds += time.perf_counter() - start
 
@@ -404,6 +404,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         Context = uncached committed tokens + the draft itself (valid for every accepted prefix, since context
         attention is causal); it enters the cache and is cropped to the accepted prefix once the outcome is known.
         """
+        self._start_packed(self._prepare_packed(input_ids, draft, logits))
+
+    def _prepare_packed(self, input_ids: torch.LongTensor, draft: torch.LongTensor, logits: torch.Tensor) -> tuple:
+        """The packed pass's inputs. Every host read it needs is made here, before a deferring loop queues its verify
+        forward: after that, each read would wait for the verify to finish."""
         committed = input_ids.shape[1]
         tokens = draft[0].tolist()
         # the bonus block spends its first slot on guessing the bonus, so a block of one has no draft left after it
@@ -418,9 +423,17 @@ class D3DCandidateGenerator(CandidateGenerator):
         context = torch.cat([input_ids[:, past:], draft], dim=1)
         ids, layout = pack_blocks(context, past, anchors, self.block_size, self._fill_id, prefixes)
         slot_index = layout.is_slot[0].nonzero().squeeze(1)
+        ready = None
+        if self._side_stream is not None:  # the side stream waits for these inputs, not for a verify queued later
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(ids.device))
+        return committed, tokens, outcomes, ids, layout, slot_index, ready
+
+    def _start_packed(self, prepared: tuple) -> None:
+        """Run the packed forward that :meth:`_prepare_packed` set up: on the side stream on CUDA, else in line."""
+        committed, tokens, outcomes, ids, layout, slot_index, ready = prepared
         if self._side_stream is not None:
-            device = ids.device
-            self._side_stream.wait_stream(torch.cuda.current_stream(device))  # draft tokens come from the main stream
+            self._side_stream.wait_event(ready)
             # Tensors made on the main stream and read (or freed, like the cache tensors that update() replaces)
             # by the side stream must not be handed back to the main stream's allocator before the pass is done.
             inputs = [ids, slot_index, layout.position_ids, layout.block_ids, layout.is_slot, layout.anchors]

@@ -474,7 +474,6 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
-    @torch.no_grad()
     def base_checksum(self) -> float:
         """Sum of squares of the base weights (fp64), which tells one base LM from another."""
         params = dict(self.named_parameters())
