@@ -84,7 +84,7 @@ fi
 if has tau; then
     : > "$WORK/results/tau.txt"
     for d in checkpoints/SmolLM2-135M-Instruct-D3D-whole "$WORK/whole_all30" "$WORK/whole_top10" "$WORK/whole_kd" "$WORK/whole_gsm"; do
-        [ -f "$d/config.json" ] || continue
+        [ -f "$d/config.json" ] && [ -f "$d/model.safetensors" ] || continue  # device_slim.sh leaves some out
         echo "$d" | tee -a "$WORK/results/tau.txt"
         "$PY" -m hf_d3d.cli eval-tau --device "$DEVICE" --drafter "$d" --prompts "$SETS" --num-prompts "$NUM_PROMPTS" \
             --max-new-tokens "$MAX_NEW" --fixed-length 2>&1 | grep "tau " | tee -a "$WORK/results/tau.txt"
@@ -93,7 +93,7 @@ if has tau; then
 fi
 if has bench; then
     for d in checkpoints/SmolLM2-135M-Instruct-D3D checkpoints/SmolLM2-135M-Instruct-D3D-whole "$NEW"; do
-        [ -f "$d/config.json" ] || continue
+        [ -f "$d/config.json" ] && [ -f "$d/model.safetensors" ] || continue  # device_slim.sh leaves some out
         name="$(basename "$d")"
         methods=plain,prompt_lookup,d3d_hub,d3d_sync,d3d_fast
         [[ "$d" == *whole* ]] && methods="$methods,d3d_fused"  # a drafter that is the target plus adapters
