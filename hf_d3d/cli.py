@@ -23,7 +23,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
 
     prompts = load_prompts(args.prompts, args.field, args.num_prompts, skip=args.skip_prompts)
     # The slice is part of the source, so two folders from one prompt set say which prompts each holds.
-    source = _sliced(args.prompts, args.skip_prompts, len(prompts))
+    source = args.source_name or _sliced(args.prompts, args.skip_prompts, len(prompts))
     if args.backend == "vllm" and args.device not in ("auto", "cuda"):
         raise ValueError("--device applies to the transformers backend; vLLM places the model itself")
     if args.backend == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
@@ -597,6 +597,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--field", default="question", help="JSONL field holding the prompt")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts (to extend a dataset)")
+    p.add_argument(
+        "--source-name",
+        default=None,
+        help="what the records name as their prompts' source (default: --prompts, with its slice); for a JSONL "
+        "extract of a named set, e.g. sharegpt:train[5200:11200], so that its provenance and licence are kept",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--do-sample", action="store_true")

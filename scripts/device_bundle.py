@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ SLIMMED = [  # taken out of the index for the calls (scripts/device_slim.sh); th
 # (its package list, /work/.library/device/KINDS.md: huggingface_hub 1.33; no httpx2, httpcore2, truststore, tomlkit)
 WHEELS = [
     "transformers==5.25.0", "huggingface_hub==2.4.0", "kernels==0.19.1", "gguf==0.19.0",
-    "httpx2==2.17.0", "httpcore2==2.17.0", "truststore", "tomlkit",
+    "httpx2==2.17.0", "httpcore2==2.17.0", "truststore==0.10.5", "tomlkit==0.14.0",
 ]  # fmt: skip
 PROMPTS = {  # file -> (source, skip, count): the session's distill prompts and its evaluation sets
     "sharegpt_train_5200.jsonl": ("sharegpt:train", 5200, 6000),
@@ -87,6 +88,7 @@ def main() -> None:
         (last / "prompts" / name).write_text(lines)
         manifest["prompts"][name] = {"source": source, "skip": skip, "count": len(prompts)}
     wheels = last / "wheels"
+    shutil.rmtree(wheels, ignore_errors=True)  # two versions of one package would stop the whole install there
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
          "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
@@ -109,14 +111,24 @@ def main() -> None:
         calls.append([".device/last"])
     calls.append([SLIMMED[1]])
     print(f"checkout as it travels (weights out of the index): {tree / 2**20:.1f} MiB")
+    # Each call checks that the earlier ones' parts are still there (a machine that went cold between calls starts
+    # bare); the one that brings the wheels also tries them on the image before the long last call.
+    site = "PYTHONPATH=/tmp/site:$PWD"
+    check = "bash scripts/device_unpack.sh"  # it ends by importing what the session imports, target included
     for n, carry in enumerate(calls, 1):
-        print(f"call {n}: carry {json.dumps(carry)}  {size(carry) / 2**20:.1f} MiB")
         if size(carry) > LIMIT:
             sys.exit(f"call {n} is over the 64 MiB a call takes: use a smaller --part-mib")
-    print(
-        "each call within 30 s of the last; the first ones run `true`, the last one: bash scripts/device_unpack.sh && "
-        "PYTHONPATH=/tmp/site PROMPTS_DIR=.device/last/prompts scripts/gpu_session.sh $OUT"
-    )
+        before = [f"test -f {c}/part" for prev in calls[: n - 1] for c in prev if "gguf" in c]
+        command = before + ([check] if ".device/last" in carry else [])
+        if n == len(calls):
+            command = before + [
+                f"{check} && {site} PROMPTS_DIR=.device/last/prompts WORK=/tmp/gs scripts/gpu_session.sh $OUT"
+            ]
+        print(f"call {n} ({size(carry) / 2**20:.1f} MiB): carry {json.dumps(carry)}")
+        print(f"    command: {' && '.join(command) or 'true'}")
+    slimmed = subprocess.run(["git", "ls-files", "--error-unmatch", *SLIMMED], cwd=ROOT, capture_output=True)
+    if slimmed.returncode == 0:
+        print("the weight files are still in the index: scripts/device_slim.sh on before the calls, off after them")
 
 
 if __name__ == "__main__":

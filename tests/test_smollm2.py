@@ -234,3 +234,21 @@ def test_the_spaces_draft_view_shows_the_output_text_once_with_whole_characters(
     assert not any("\ufffd" in text for text, _ in shown)
     assert {kind for _, kind in shown} == {"acc", "tgt", "rej"}
     assert longest[0] < len(ids) // 2
+
+
+def test_a_jsonl_extract_of_a_named_set_keeps_its_provenance(tmp_path):
+    """`distill --source-name` records a JSONL extract of a named prompt set under that set's name, so the token
+    file keeps its source and licence (a machine without the prompt packages reads such extracts)."""
+    from hf_d3d.cli import main
+    from hf_d3d.train.token_file import read_token_file
+
+    prompts = load_prompts("sharegpt:train", limit=2, skip=5200)
+    extract = tmp_path / "sharegpt_train_5200.jsonl"
+    extract.write_text("".join(json.dumps({"question": p}) + "\n" for p in prompts))
+    name = "sharegpt:train[5200:5202]"
+    args = ["--prompts", str(extract), "--num-prompts", "2", "--max-new-tokens", "2", "--source-name", name]
+    assert main(["distill", *args, "--out", str(tmp_path / "d")]) == 0
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["source"] == name
+    assert main(["pack-data", "--data", str(tmp_path / "d"), "--out-dir", str(tmp_path / "packed")]) == 0
+    _, provenance = read_token_file(tmp_path / "packed" / "d.safetensors")
+    assert provenance["source"] == name and "see the prompt source" not in provenance["prompt_licence"]
