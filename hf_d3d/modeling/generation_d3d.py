@@ -93,14 +93,17 @@ def choose_hypotheses(
     guess is the first slot of a block anchored after d_k.
     """
     k = len(draft)
-    p_draft = probs[torch.arange(k), torch.tensor(draft)].clamp(0.0, 1.0).tolist()
+    rows, tokens = torch.arange(k, device=probs.device), torch.tensor(draft, device=probs.device)
+    alt = probs.clone()
+    alt[rows, tokens] = 0.0  # the corrections: any token but the draft's
+    top = alt.topk(min(budget, alt.shape[-1]), dim=-1)
+    # three reads of the device per round, not two per slot (each read waits for the device)
+    p_draft = probs[rows, tokens].clamp(0.0, 1.0).tolist()
+    values, indices = top.values.tolist(), top.indices.tolist()
     scored: list[tuple[float, tuple[int, int | None]]] = []
     reach = 1.0  # probability that d_1..d_a are all accepted
     for a in range(k):
-        alt = probs[a].clone()
-        alt[draft[a]] = 0.0
-        top = alt.topk(min(budget, alt.numel()))
-        for prob, tok in zip(top.values.tolist(), top.indices.tolist()):
+        for prob, tok in zip(values[a], indices[a]):
             scored.append((reach * prob, (a, tok)))  # P(d_1..d_a accepted) * P(target says g at slot a+1)
         reach *= p_draft[a]
     if with_bonus:
