@@ -367,6 +367,20 @@ class Killed(Exception):
     pass
 
 
+def train_until_first_checkpoint(monkeypatch, *args) -> None:
+    """``train(*args)`` as a process that dies right after its first checkpoint is on disk."""
+    real_save = trainer.save_checkpoint
+
+    def save_then_die(*a, **kw):
+        real_save(*a, **kw)
+        raise Killed
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        train(*args)
+    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+
+
 @pytest.mark.parametrize("group_by_length", [False, True])
 def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group_by_length):
     target, _ = toy
@@ -381,16 +395,8 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group
     )
     straight = train(make_drafter(target, block_size=4), toy_data, tmp_path / "a", cfg)
 
-    real_save = trainer.save_checkpoint
-
-    def save_then_die(*args, **kwargs):  # the process dies right after the step-3 checkpoint is on disk
-        real_save(*args, **kwargs)
-        raise Killed
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
-        train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    # the process dies right after the step-3 checkpoint is on disk
+    train_until_first_checkpoint(monkeypatch, make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
     assert not (tmp_path / "b" / "final").exists()
     resumed = train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
     a = type(make_drafter(target)).from_pretrained(straight).state_dict()
@@ -425,16 +431,7 @@ def test_fp16_loss_scale_continues_across_a_resume(toy, toy_data, tmp_path, monk
     straight = scalers[-1].get_scale()
     assert straight > 2.0**4  # the scale moved: a restart from the initial scale would show
 
-    real_save = trainer.save_checkpoint
-
-    def save_then_die(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise Killed
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
-        train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    train_until_first_checkpoint(monkeypatch, make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
     train(make_drafter(target, block_size=4), toy_data, tmp_path / "b", cfg)
     assert scalers[-1].get_scale() == straight
 
@@ -617,16 +614,7 @@ def test_token_file_round_trip_and_training_resumes_on_it(toy, toy_data, tmp_pat
         return D3DDrafterModel.from_pretrained_lm(target, block_size=4)
 
     straight = train(whole(), load_records(path), tmp_path / "a", cfg)
-    real_save = trainer.save_checkpoint
-
-    def save_then_die(*args, **kwargs):
-        real_save(*args, **kwargs)
-        raise Killed
-
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_die)
-    with pytest.raises(Killed):
-        train(whole(), load_records(path), tmp_path / "b", cfg)
-    monkeypatch.setattr(trainer, "save_checkpoint", real_save)
+    train_until_first_checkpoint(monkeypatch, whole(), load_records(path), tmp_path / "b", cfg)
     resumed = train(whole(), load_records(path), tmp_path / "b", cfg)
     a = D3DDrafterModel.from_pretrained(straight).state_dict()
     b = D3DDrafterModel.from_pretrained(resumed).state_dict()
