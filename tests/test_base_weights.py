@@ -115,6 +115,18 @@ def test_omitting_needs_a_base_and_a_stored_tensor_missing_is_refused(tmp_path):
         D3DDrafterModel.from_pretrained(tmp_path / "small")
 
 
+def test_a_changed_base_is_not_saved_away(tmp_path):
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    with torch.no_grad():  # a full fine-tune moved the base: its checkpoint must keep those weights
+        drafter.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    with pytest.raises(ValueError, match="base weights changed"):
+        drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
+    assert not (tmp_path / "small" / "model.safetensors").exists()
+    drafter.save_pretrained(tmp_path / "full")  # the whole drafter still saves, and loads as it was
+    loaded = D3DDrafterModel.from_pretrained(tmp_path / "full")
+    assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, drafter.model.layers[0].mlp.down_proj.weight)
+
+
 def test_card_says_where_the_base_weights_come_from(tmp_path):
     from hf_d3d.publish import METRICS, PublishError, assemble
 

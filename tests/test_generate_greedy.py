@@ -6,9 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import TextStreamer
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, TextStreamer, pipeline
 
-from conftest import EOS, FAMILIES, make_drafter, prompts, tiny_target
+from conftest import EOS, FAMILIES, VOCAB, make_drafter, prompts, tiny_target
 from hf_d3d import d3d_generate
 from hf_d3d.evaluate import count_forwards
 
@@ -77,6 +78,21 @@ def test_full_acceptance_commits_whole_blocks(oracle):
     stats = drafter.last_stats
     assert stats.acceptance_lengths and all(a == 4 for a in stats.acceptance_lengths)
     assert stats.tau == pytest.approx(5.0)
+
+
+def test_text_generation_pipeline_takes_the_drafter(oracle):
+    """``pipeline("text-generation", ..., assistant_model=drafter)``: the target's own text, drafted blocks used."""
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token=str(EOS))
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    oracle.target, oracle.noise = target, 0.3
+    kw = dict(max_new_tokens=24, do_sample=False, return_full_text=False)
+    plain_text = pipeline("text-generation", model=target, tokenizer=tokenizer)("5 9 17 33", **kw)
+    drafter.last_stats = None
+    assisted_pipe = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=drafter)
+    assert assisted_pipe("5 9 17 33", **kw) == plain_text
+    assert drafter.last_stats is not None and drafter.last_stats.accepted_tokens > 0
 
 
 def test_untrained_drafter_rounds_and_stats():
