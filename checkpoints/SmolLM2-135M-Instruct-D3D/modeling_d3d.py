@@ -469,6 +469,14 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         if omit_base_weights:
             if not self.config.base_model:
                 raise ValueError("omit_base_weights needs config.base_model (the LM the weights are fetched from)")
+            want = self.config.base_model_checksum
+            if want is not None and abs(self.base_checksum() - want) > 1e-3 * abs(want):
+                # a fine-tuned base saved this way would be silently replaced by the original at load
+                raise ValueError(
+                    f"the base weights changed since the drafter was made from {self.config.base_model!r} "
+                    f"(checksum {self.base_checksum():.6g}, expected {want:.6g}): saving without them would lose "
+                    "that training; save with omit_base_weights=False"
+                )
             base = set(self.base_weight_names())
             kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in base}
         return super().save_pretrained(save_directory, *args, **kwargs)
