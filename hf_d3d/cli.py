@@ -71,6 +71,9 @@ def _cmd_pack_data(args: argparse.Namespace) -> None:
     if len(set(names)) < len(names):  # one would overwrite the other: a file is named after its run's folder
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"two runs named {', '.join(twice)}: each packs to <out-dir>/<run name>.safetensors")
+    there = [n for n in names if (Path(args.out_dir) / f"{n}.safetensors").exists()]
+    if there and not args.overwrite:  # a committed token file is training data: replace it only when told to
+        raise FileExistsError(f"{args.out_dir} already holds {', '.join(there)} (.safetensors): --overwrite replaces")
     vocab = AutoConfig.from_pretrained(resolve_target(args.target)).get_text_config().vocab_size
     for folder in args.data:
         path = pack_run(folder, Path(args.out_dir) / f"{Path(folder).name}.safetensors", vocab)
@@ -868,6 +871,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="the target they were distilled from (for its vocabulary size)")
     p.add_argument("--data", required=True, nargs="+", help="finished `hf-d3d distill` folders")
     p.add_argument("--out-dir", required=True, help="one FOLDER_NAME.safetensors per folder is written here")
+    p.add_argument("--overwrite", action="store_true", help="replace token files of the same names")
     p.set_defaults(func=_cmd_pack_data)
 
     p = sub.add_parser(

@@ -21,3 +21,5 @@ $D3D distill --prompts sharegpt:train --skip-prompts 11200 --num-prompts 2000 "$
 $D3D distill --prompts gsm8k:train --skip-prompts 3000 --num-prompts 2000 "${FP32[@]}" --out "$OUT/gsm8k_train_3000"
 $D3D distill --prompts gsm8k:train --num-prompts 2000 --do-sample --temperature 0.7 --seed 1 "${FP32[@]}" \
     --out "$OUT/gsm8k_train_0_t07"
+# GSM8K train: the rest of its questions (greedy)
+$D3D distill --prompts gsm8k:train --skip-prompts 5000 --num-prompts 2473 "${FP32[@]}" --out "$OUT/gsm8k_train_5000"

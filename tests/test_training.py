@@ -556,6 +556,21 @@ def test_pack_data_refuses_two_runs_of_one_name(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_pack_data_keeps_a_token_file_already_there(tmp_path, capsys):
+    from hf_d3d.cli import main
+
+    tiny_target("llama").config.save_pretrained(tmp_path / "target")
+    (tmp_path / "gsm8k_train_0").mkdir()  # an unfinished run: packing it fails after the check
+    (tmp_path / "out").mkdir()
+    kept = tmp_path / "out" / "gsm8k_train_0.safetensors"
+    kept.write_bytes(b"committed data")
+    args = ["pack-data", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "gsm8k_train_0")]
+    assert main([*args, "--out-dir", str(tmp_path / "out")]) == 2
+    assert "already holds gsm8k_train_0" in capsys.readouterr().err and kept.read_bytes() == b"committed data"
+    assert main([*args, "--out-dir", str(tmp_path / "out"), "--overwrite"]) == 2
+    assert "not a finished distillation run" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("field", ["max_steps", "batch_size", "grad_accum", "eval_every", "save_every"])
 def test_zero_counts_are_refused_before_training(field):
     # --eval-every 0 once ran into a modulo by zero after the first step's work
