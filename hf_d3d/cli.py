@@ -65,7 +65,7 @@ def _cmd_pack_data(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
     from hf_d3d.targets import resolve_target
-    from hf_d3d.train.distill import pack_run
+    from hf_d3d.train.distill import META, pack_run
 
     names = [Path(folder).name for folder in args.data]
     if len(set(names)) < len(names):  # one would overwrite the other: a file is named after its run's folder
@@ -73,7 +73,12 @@ def _cmd_pack_data(args: argparse.Namespace) -> None:
         raise ValueError(f"two runs named {', '.join(twice)}: each packs to <out-dir>/<run name>.safetensors")
     there = [n for n in names if (Path(args.out_dir) / f"{n}.safetensors").exists()]
     if there and not args.overwrite:  # a committed token file is training data: replace it only when told to
-        raise FileExistsError(f"{args.out_dir} already holds {', '.join(there)} (.safetensors): --overwrite replaces")
+        raise FileExistsError(
+            f"{args.out_dir} already holds {', '.join(there)} (.safetensors); pass --overwrite to replace them"
+        )
+    unfinished = [f for f in args.data if not (Path(f) / META).is_file()]
+    if unfinished:  # before any file is written
+        raise FileNotFoundError(f"not finished distillation runs (no {META}): {', '.join(unfinished)}")
     vocab = AutoConfig.from_pretrained(resolve_target(args.target)).get_text_config().vocab_size
     for folder in args.data:
         path = pack_run(folder, Path(args.out_dir) / f"{Path(folder).name}.safetensors", vocab)

@@ -201,6 +201,8 @@ def prune(
         state["run"] = run
         write_json_atomic(state_path, state)
     base = state["base_tau"]
+    # the drafter as given: is its base still the LM's own (so that a pruning of it can fetch it)?
+    base_unchanged = drafter.base_unchanged()
     # Healing rewrites the kept layers; keep the unhealed weights to go back to when a healed removal is refused.
     original = {k: v.clone() for k, v in drafter.state_dict().items()} if heal is not None else None
     if heal is not None and state["removed"]:
@@ -273,7 +275,7 @@ def prune(
     with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
         # unhealed or healed in its adapters alone, its layers are still the base LM's own: store what training
         # changed, as the drafter was
-        base_kept = heal is None or bool(pruned.config.block_adapter_rank)
+        base_kept = base_unchanged and (heal is None or bool(pruned.config.block_adapter_rank))
         pruned.save_pretrained(tmp, omit_base_weights=base_kept and bool(pruned.config.base_model))
         write_json_atomic(tmp / REPORT, report)
     write_json_atomic(out / REPORT, report)

@@ -21,5 +21,6 @@ $D3D distill --prompts sharegpt:train --skip-prompts 11200 --num-prompts 2000 "$
 $D3D distill --prompts gsm8k:train --skip-prompts 3000 --num-prompts 2000 "${FP32[@]}" --out "$OUT/gsm8k_train_3000"
 $D3D distill --prompts gsm8k:train --num-prompts 2000 --do-sample --temperature 0.7 --seed 1 "${FP32[@]}" \
     --out "$OUT/gsm8k_train_0_t07"
-# GSM8K train: the rest of its questions (greedy)
-$D3D distill --prompts gsm8k:train --skip-prompts 5000 --num-prompts 2473 "${FP32[@]}" --out "$OUT/gsm8k_train_5000"
+# GSM8K train: the rest of its questions (greedy; batch 64 answers more tokens a second on 2 cores than 16)
+$D3D distill --prompts gsm8k:train --skip-prompts 5000 --num-prompts 2473 "${FP32[@]}" --batch-size 64 \
+    --out "$OUT/gsm8k_train_5000"

@@ -116,15 +116,27 @@ def test_omitting_needs_a_base_and_a_stored_tensor_missing_is_refused(tmp_path):
 
 
 def test_a_changed_base_is_not_saved_away(tmp_path):
+    from hf_d3d.prune import prune
+    from hf_d3d.train.trainer import TrainConfig, save_final
+
     _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    assert drafter.base_unchanged()
+    drafter.save_pretrained(tmp_path / "bf16", omit_base_weights=True)  # a bf16 copy's rounding is no change
+    assert D3DDrafterModel.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16).base_unchanged()
     with torch.no_grad():  # a full fine-tune moved the base: its checkpoint must keep those weights
         drafter.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    assert not drafter.base_unchanged()
     with pytest.raises(ValueError, match="base weights changed"):
         drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
     assert not (tmp_path / "small" / "model.safetensors").exists()
-    drafter.save_pretrained(tmp_path / "full")  # the whole drafter still saves, and loads as it was
-    loaded = D3DDrafterModel.from_pretrained(tmp_path / "full")
-    assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, drafter.model.layers[0].mlp.down_proj.weight)
+    moved = drafter.model.layers[0].mlp.down_proj.weight
+    # adapters-only training and an unhealed pruning of such a drafter store it whole, as it is
+    save_final(drafter, tmp_path / "trained", TrainConfig(adapters_only=True), [])
+    loaded = D3DDrafterModel.from_pretrained(tmp_path / "trained")
+    assert torch.equal(loaded.model.layers[0].mlp.down_proj.weight, moved)
+    prune(None, drafter, [[5, 6]], tmp_path / "pruned", target_depth=2, judge=lambda model, skip: 2.0 - len(skip))
+    loaded = D3DDrafterModel.from_pretrained(tmp_path / "pruned" / "model")
+    assert loaded.config.target_layer_ids[0] == 0 and torch.equal(loaded.model.layers[0].mlp.down_proj.weight, moved)
 
 
 def test_card_says_where_the_base_weights_come_from(tmp_path):

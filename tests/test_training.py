@@ -557,18 +557,29 @@ def test_pack_data_refuses_two_runs_of_one_name(tmp_path, capsys):
 
 
 def test_pack_data_keeps_a_token_file_already_there(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     from hf_d3d.cli import main
 
-    tiny_target("llama").config.save_pretrained(tmp_path / "target")
-    (tmp_path / "gsm8k_train_0").mkdir()  # an unfinished run: packing it fails after the check
+    target = tiny_target("llama")
+    target.config.save_pretrained(tmp_path / "target")
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token="3")
+    distill(target, tokenizer, ["5 6 7", "8 9"], tmp_path / "gsm8k_train_0", DistillConfig(max_new_tokens=4))
+    (tmp_path / "unfinished").mkdir()
     (tmp_path / "out").mkdir()
     kept = tmp_path / "out" / "gsm8k_train_0.safetensors"
     kept.write_bytes(b"committed data")
-    args = ["pack-data", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "gsm8k_train_0")]
-    assert main([*args, "--out-dir", str(tmp_path / "out")]) == 2
-    assert "already holds gsm8k_train_0" in capsys.readouterr().err and kept.read_bytes() == b"committed data"
-    assert main([*args, "--out-dir", str(tmp_path / "out"), "--overwrite"]) == 2
-    assert "not a finished distillation run" in capsys.readouterr().err
+    args = ["pack-data", "--target", str(tmp_path / "target"), "--out-dir", str(tmp_path / "out"), "--data"]
+    assert main([*args, str(tmp_path / "gsm8k_train_0")]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err and kept.read_bytes() == b"committed data"
+    # an unfinished run among the folders: nothing is written, not even the finished one's file
+    assert main([*args, str(tmp_path / "gsm8k_train_0"), str(tmp_path / "unfinished"), "--overwrite"]) == 2
+    assert "not finished distillation runs" in capsys.readouterr().err and kept.read_bytes() == b"committed data"
+    assert main([*args, str(tmp_path / "gsm8k_train_0"), "--overwrite"]) == 0
+    assert len(load_records(kept)) == 2
 
 
 @pytest.mark.parametrize("field", ["max_steps", "batch_size", "grad_accum", "eval_every", "save_every"])

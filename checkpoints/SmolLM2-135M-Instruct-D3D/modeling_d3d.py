@@ -444,11 +444,11 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         if bad:
             # A partly random drafter would still be lossless but silently slow: say so instead.
             raise ValueError(f"drafter checkpoint does not match its config: {bad}")
-        want = model.config.base_model_checksum
-        if with_base and want is not None and abs(model.base_checksum() - want) > 1e-3 * abs(want):
+        drift = model._base_drift() if with_base else None
+        if drift is not None:
             warnings.warn(
                 f"the base LM {model.config.base_model!r} has other weights than the one this drafter was trained "
-                f"with (checksum {model.base_checksum():.6g}, expected {want:.6g}): drafts stay lossless, "
+                f"with (checksum {drift[0]:.6g}, expected {drift[1]:.6g}): drafts stay lossless, "
                 "acceptance may be lower",
                 stacklevel=2,
             )
@@ -469,17 +469,29 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         if omit_base_weights:
             if not self.config.base_model:
                 raise ValueError("omit_base_weights needs config.base_model (the LM the weights are fetched from)")
-            want = self.config.base_model_checksum
-            if want is not None and abs(self.base_checksum() - want) > 1e-3 * abs(want):
-                # a fine-tuned base saved this way would be silently replaced by the original at load
+            drift = self._base_drift()
+            if drift is not None:  # a fine-tuned base saved this way would be replaced by the original at load
                 raise ValueError(
                     f"the base weights changed since the drafter was made from {self.config.base_model!r} "
-                    f"(checksum {self.base_checksum():.6g}, expected {want:.6g}): saving without them would lose "
+                    f"(checksum {drift[0]:.6g}, expected {drift[1]:.6g}): saving without them would lose "
                     "that training; save with omit_base_weights=False"
                 )
             base = set(self.base_weight_names())
             kwargs["state_dict"] = {k: v for k, v in self.state_dict().items() if k not in base}
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def base_unchanged(self) -> bool:
+        """False only when ``config.base_model_checksum`` is known and the base weights no longer match it (up to
+        the rounding of a bf16 or fp16 copy): a base that was trained must be saved, not fetched."""
+        return self._base_drift() is None
+
+    def _base_drift(self) -> tuple[float, float] | None:
+        """(checksum now, checksum recorded) when they differ by more than 0.1%, else None."""
+        want = self.config.base_model_checksum
+        if want is None:
+            return None
+        have = self.base_checksum()
+        return (have, want) if abs(have - want) > 1e-3 * abs(want) else None
 
     @torch.no_grad()
     def base_checksum(self) -> float:

@@ -435,7 +435,8 @@ def save_final(drafter: PreTrainedModel, folder: Path, config: TrainConfig, log:
     if config.save_dtype != "float32":
         drafter = copy.deepcopy(drafter).to(getattr(torch, config.save_dtype))
     # Adapters-only training leaves the base LM as it was: the result stores the adapters, the base is fetched.
-    omit = config.adapters_only and bool(drafter.config.base_model)
+    # A drafter whose base was changed before (a full fine-tune, grown layers) keeps its whole weights.
+    omit = config.adapters_only and bool(drafter.config.base_model) and drafter.base_unchanged()
     with atomic_folder(folder, overwrite=True) as tmp:
         drafter.save_pretrained(tmp, omit_base_weights=omit)
         write_json_atomic(tmp / "training_log.json", {"config": asdict(config), "log": log})
