@@ -193,12 +193,18 @@ def summarize(records: dict[str, list[dict]], max_new_tokens: int, num_prompts: 
         forwards = sum(r["target_forwards"] for r in recs)
         hits, misses = sum(r["hits"] for r in recs), sum(r["misses"] for r in recs)
         hist = Counter(a for r in recs for a in r["acceptance_lengths"])
+        identical = all(r["identical_to_plain"] for r in recs)
         result["methods"][m] = {
             "tau": tokens / max(forwards, 1),
             "tokens_per_second": statistics.median(r["new_tokens"] / r["seconds"] for r in recs),
-            "speedup": statistics.median(p["seconds"] / r["seconds"] for p, r in zip(plain, recs)),
-            "speedup_total_time": sum(p["seconds"] for p in plain) / sum(r["seconds"] for r in recs),
-            "identical_to_plain": all(r["identical_to_plain"] for r in recs),
+            # a method whose output differs has no speedup: it did other (maybe less) work than plain
+            "speedup": statistics.median(p["seconds"] / r["seconds"] for p, r in zip(plain, recs))
+            if identical
+            else None,
+            "speedup_total_time": (
+                sum(p["seconds"] for p in plain) / sum(r["seconds"] for r in recs) if identical else None
+            ),
+            "identical_to_plain": identical,
             "hit_rate": hits / (hits + misses) if hits + misses else None,
             "acceptance_histogram": {int(k): v for k, v in sorted(hist.items())},
         }
@@ -208,14 +214,15 @@ def summarize(records: dict[str, list[dict]], max_new_tokens: int, num_prompts: 
 
 def markdown_table(result: dict) -> str:
     rows = [
-        "| method | tau | tokens/s | speedup (median) | speedup (total time) | identical | hit rate |",
+        "| method | tau | tokens/s (median) | speedup (median) | speedup (total time) | identical | hit rate |",
         "|---|---|---|---|---|---|---|",
     ]
     for m, v in result["methods"].items():
         hit = f"{v['hit_rate']:.0%}" if v["hit_rate"] is not None else "-"
+        speed = [f"{v[k]:.2f}x" if v[k] is not None else "invalid" for k in ("speedup", "speedup_total_time")]
         rows.append(
-            f"| {m} | {v['tau']:.2f} | {v['tokens_per_second']:.1f} | {v['speedup']:.2f}x | "
-            f"{v['speedup_total_time']:.2f}x | {'yes' if v['identical_to_plain'] else 'NO'} | {hit} |"
+            f"| {m} | {v['tau']:.2f} | {v['tokens_per_second']:.1f} | {speed[0]} | {speed[1]} | "
+            f"{'yes' if v['identical_to_plain'] else 'NO'} | {hit} |"
         )
     return "\n".join(rows)
 
@@ -228,7 +235,11 @@ def plot(result: dict, path: str | Path) -> None:
 
     methods = list(result["methods"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.bar(methods, [result["methods"][m]["speedup"] for m in methods], color="tab:blue")
+    speedups = [result["methods"][m]["speedup"] for m in methods]
+    bars = ax1.bar(methods, [x or 0.0 for x in speedups], color="tab:blue")
+    for bar, x in zip(bars, speedups):
+        if x is None:  # output differed from plain generate: no bar, a label instead
+            ax1.annotate("not identical", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", color="red")
     ax1.axhline(1.0, color="gray", lw=1, ls="--")
     ax1.set_ylabel("speedup vs plain generate (median)")
     ax1.tick_params(axis="x", rotation=30)
@@ -240,7 +251,8 @@ def plot(result: dict, path: str | Path) -> None:
             ax2.plot(ks, [hist[k] / total for k in ks], marker="o", label=m)
     ax2.set_xlabel("draft tokens accepted per round")
     ax2.set_ylabel("share of rounds")
-    ax2.legend()
+    if ax2.get_legend_handles_labels()[0]:  # methods without rounds (plain) draw no line
+        ax2.legend()
     fig.suptitle(f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, greedy")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

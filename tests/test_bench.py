@@ -110,7 +110,7 @@ def test_bench_gives_every_method_but_plain_and_the_hub_path_the_skinny_linears(
     assert seen and not any(patched for *_, patched in seen) and not result["skinny"]
 
 
-def test_bench_flags_a_non_identical_method(monkeypatch):
+def test_bench_flags_a_non_identical_method(monkeypatch, tmp_path):
     target = tiny_target("qwen3")
     drafter = make_drafter(target, block_size=4)
 
@@ -124,6 +124,11 @@ def test_bench_flags_a_non_identical_method(monkeypatch):
     assert result["methods"]["d3d_fast"]["identical_to_plain"] is False
     assert result["all_identical"] is False
     assert result["methods"]["plain"]["identical_to_plain"] is True
+    assert result["methods"]["d3d_fast"]["speedup"] is None  # no speedup is claimed for a wrong output
+    assert "| d3d_fast | " in bench.markdown_table(result) and "invalid | invalid | NO |" in bench.markdown_table(
+        result
+    )
+    bench.plot(result, tmp_path / "bench.png")
 
 
 def test_run_methods_times_any_named_runners(oracle):
