@@ -20,12 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
-from transformers.generation import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import LogitsProcessorList
 
 from hf_d3d.checks import check_pair
 from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
@@ -35,54 +30,42 @@ from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
 from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
 from hf_d3d.verify import verify_greedy, verify_sampling
 
-# Generation settings that need logits processors or stopping criteria the fast loop does not build itself, each
-# with the value that leaves it off (None is off for all); with one set, pass ``logits_processor=`` /
-# ``stopping_criteria=`` or go through ``target.generate(custom_generate=d3d_generate, ...)``, which builds them all.
-_UNBUILT_FIELDS = {
-    "repetition_penalty": 1.0,
-    "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "sequence_bias": None,
-    "typical_p": 1.0,
-    "min_p": None,
-    "top_h": None,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "exponential_decay_length_penalty": None,
-    "renormalize_logits": False,
-    "guidance_scale": 1.0,
-    "watermarking_config": None,
-    "stop_strings": None,
-    "max_time": None,
-}
+# Generation settings that need stopping criteria the fast loop does not build itself, each with the value that leaves
+# it off; with one set, pass ``stopping_criteria=`` or go through ``target.generate(custom_generate=d3d_generate,
+# ...)``, which builds them all.
+_STOPPING_FIELDS = {"stop_strings": None, "max_time": None}
 
 
-def _warpers(config: GenerationConfig) -> LogitsProcessorList:
-    """The sampling warpers of ``config`` (temperature, top-k, top-p); refuses settings that need other processors
-    or stopping criteria."""
-    asked = [f for f, off in _UNBUILT_FIELDS.items() if getattr(config, f, None) not in (None, off)]
-    if asked:
+class _CompleteProcessors(LogitsProcessorList):
+    """``generate``'s own finished list, as it hands it to a ``custom_generate``: used as it is, not rebuilt."""
+
+
+def _processors(
+    target: PreTrainedModel,
+    config: GenerationConfig,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList | None,
+    stopping_criteria,
+) -> LogitsProcessorList:
+    """The logits processors plain ``generate`` builds for ``config``, with the caller's merged in as ``generate``
+    merges them (a caller's processor of a kind it also builds takes that one's place)."""
+    if isinstance(logits_processor, _CompleteProcessors):
+        return logits_processor
+    asked = [f for f, off in _STOPPING_FIELDS.items() if getattr(config, f, None) not in (None, off)]
+    if asked and stopping_criteria is None:
         raise ValueError(
-            f"speculative_generate builds temperature/top-k/top-p only; {asked} need their logits processors or "
-            "stopping criteria: pass logits_processor=... / stopping_criteria=..., or call "
-            "target.generate(..., custom_generate=d3d_generate, drafter=drafter)"
+            f"{asked} need stopping criteria that speculative_generate does not build: pass stopping_criteria=... "
+            "or call target.generate(..., custom_generate=d3d_generate, drafter=drafter)"
         )
-    procs = LogitsProcessorList()
-    if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(config.temperature))
-        if config.top_k:
-            procs.append(TopKLogitsWarper(config.top_k))
-        if config.top_p is not None and config.top_p < 1.0:
-            procs.append(TopPLogitsWarper(config.top_p))
-    return procs
+    config = copy.copy(config)  # transformers writes tensor forms of the special tokens into the config it gets
+    target._prepare_special_tokens(config, device=input_ids.device)
+    return target._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids,  # a decoder-only generate's "encoder" ids are its prompt
+        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+        device=input_ids.device,
+    )
 
 
 def _eos_set(eos_token_id) -> set[int]:
@@ -147,6 +130,7 @@ def _plan(
     max_new_tokens: int,
     attention_mask: torch.Tensor | None,
     logits_processor: LogitsProcessorList | None,
+    stopping_criteria,
     async_drafting: bool | None,
     tree: bool | None,
     skinny: bool | None,
@@ -161,7 +145,7 @@ def _plan(
     if config.num_beams not in (None, 1):
         raise ValueError("D3D speculative decoding does not support beam search")
     check_pair(target, drafter)
-    procs = logits_processor if logits_processor is not None else _warpers(config)
+    procs = _processors(target, config, input_ids, logits_processor, stopping_criteria)
     exact = is_exact(target)
     kind = config.cache_implementation or "dynamic"
     if exact and kind != "dynamic":
@@ -226,8 +210,9 @@ def speculative_generate(
     ``temperature``, ``top_k``, ``top_p``, ``eos_token_id`` (``None`` ignores EOS), ``cache_implementation``) over
     ``generation_config`` over the target's over transformers' defaults (so sampling keeps the top 50 tokens unless
     ``top_k`` says otherwise). ``max_new_tokens`` defaults to the config's, else what a set ``max_length`` leaves,
-    else 128. Settings that need other logits processors or stopping criteria are refused: pass them built, or
-    use :func:`d3d_generate`. Each round
+    else 128. The logits processors are the ones ``generate`` builds for those settings, with ``logits_processor``
+    merged in as ``generate`` merges it; settings that need stopping criteria (``stop_strings``, ``max_time``) are
+    refused unless ``stopping_criteria`` is passed (:func:`d3d_generate` builds them all). Each round
     drafts up to ``drafter.generation_config.num_assistant_tokens`` tokens (fewer where the drafter's measured
     ``round_cost`` says the rest do not pay); the call's statistics (every round counted) are in
     ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called after each verification (the Space
@@ -256,7 +241,8 @@ def speculative_generate(
     if fused:
         from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
 
-        _refuse_for_fused(config, logits_processor, async_drafting, skinny, attention_mask)
+        procs = _processors(target, config, input_ids, logits_processor, stopping_criteria)
+        _refuse_for_fused(config, procs, async_drafting, skinny, attention_mask)
         return fused_generate(
             target,
             drafter,
@@ -276,6 +262,7 @@ def speculative_generate(
         max_new_tokens,
         attention_mask,
         logits_processor,
+        stopping_criteria,
         async_drafting,
         tree,
         skinny,
@@ -293,9 +280,8 @@ def speculative_generate(
     return seq
 
 
-def _refuse_for_fused(config, logits_processor, async_drafting, skinny, attention_mask) -> None:
+def _refuse_for_fused(config, procs, async_drafting, skinny, attention_mask) -> None:
     """speculative_generate(fused=True): name every asked setting the fused rounds do not do."""
-    procs = logits_processor if logits_processor is not None else _warpers(config)
     refused = {
         "sampling (do_sample=True)": bool(config.do_sample),
         "logits processors": len(procs) > 0,
@@ -453,7 +439,7 @@ def d3d_generate(
         generation_config=generation_config,
         attention_mask=model_kwargs.get("attention_mask"),
         streamer=_AfterPrompt(streamer) if streamer is not None else None,
-        logits_processor=logits_processor,
+        logits_processor=_CompleteProcessors(logits_processor),
         stopping_criteria=stopping_criteria,
         fused=fused,
     )

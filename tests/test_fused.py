@@ -162,7 +162,7 @@ def test_fused_true_refuses_what_it_does_not_do():
     for kwargs, what in [
         (dict(do_sample=True), "sampling"),
         (dict(cache_implementation="static"), "static cache"),
-        (dict(repetition_penalty=1.3), "repetition_penalty"),
+        (dict(repetition_penalty=1.3), "logits processors"),
     ]:
         with pytest.raises(ValueError, match=what):
             speculative_generate(target, drafter, x, max_new_tokens=4, fused=True, **kwargs)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_sampling import _target_joint, chi_square_pvalue
 from transformers import GenerationConfig
-from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper
+from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
 
 from conftest import FAMILIES, make_drafter, prompts, tiny_target
 from hf_d3d import d3d_generate, speculative_generate
@@ -262,12 +262,52 @@ def test_fast_loop_settings_merge_as_generate_merges_them():
     assert torch.equal(speculative_generate(target, drafter, x, max_length=12, eos_token_id=None), ref)
 
 
-def test_fast_loop_refuses_settings_it_does_not_build():
+def test_fast_loop_builds_the_processors_generate_builds():
+    """Settings that need logits processors get generate's own; a caller's processors merge in as in generate."""
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    x = torch.tensor([[9, 10, 11, 12, 9, 10]])
+    first = int(plain(target, x, 1, None)[0, -1])
+    for setting, prompt in (
+        (dict(repetition_penalty=1.5), x),
+        (dict(no_repeat_ngram_size=2), x),
+        (dict(encoder_no_repeat_ngram_size=2), torch.tensor([[9, 9, 9, 9]])),  # its continuation repeats "9 9"
+        (dict(min_new_tokens=12, eos_token_id=first), x),
+        (dict(suppress_tokens=[first]), x),
+    ):
+        kw = {"eos_token_id": None, **setting}
+        ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False, **kw)
+        assert not torch.equal(ref, plain(target, prompt, 16, None)), setting  # the setting changes the output
+        assert torch.equal(speculative_generate(target, drafter, prompt, max_new_tokens=16, **kw), ref), setting
+    # a caller's processor and a setting at once: generate applies both, and so does the loop
+    extra = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
+    ref = target.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        no_repeat_ngram_size=2,
+        logits_processor=extra,
+    )
+    out = speculative_generate(
+        target, drafter, x, max_new_tokens=16, eos_token_id=None, no_repeat_ngram_size=2, logits_processor=extra
+    )
+    assert torch.equal(out, ref)
+
+
+def test_fast_loop_refuses_what_it_cannot_keep_lossless():
     target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
     x = torch.tensor([[9, 10, 11, 12]])
-    for setting in (dict(repetition_penalty=1.3), dict(stop_strings=["ab"]), dict(max_time=5.0), dict(top_h=0.5)):
+    for setting in (dict(stop_strings=["ab"]), dict(max_time=5.0)):
         with pytest.raises(ValueError, match=f"{next(iter(setting))}.*custom_generate=d3d_generate"):
             speculative_generate(target, drafter, x, max_new_tokens=4, **setting)
+    # classifier-free guidance runs the target on an unconditional cache it extends at each call, drafts included
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor.*keep state"):
+        speculative_generate(target, drafter, x, max_new_tokens=4, guidance_scale=1.5)
+    with pytest.raises(ValueError, match="keep state"):
+        target.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=4, assistant_model=drafter, guidance_scale=1.5
+        )
 
 
 def test_custom_generate_honours_stopping_criteria():
@@ -353,7 +393,7 @@ def test_fast_loop_takes_a_generation_config_as_generate_does():
     assert speculative_generate(target, drafter, x, generation_config=config, max_new_tokens=5).shape[1] == 10
     with pytest.raises(TypeError, match="unexpected arguments"):
         speculative_generate(target, drafter, x, 4, temprature=0.7)
-    with pytest.raises(ValueError, match="repetition_penalty"):  # a setting whose processor the loop lacks
-        speculative_generate(target, drafter, x, 4, repetition_penalty=1.3)
+    ref = target.generate(x, attention_mask=torch.ones_like(x), generation_config=config, repetition_penalty=1.3)
+    assert torch.equal(speculative_generate(target, drafter, x, generation_config=config, repetition_penalty=1.3), ref)
     with pytest.raises(ValueError, match="beam search"):
         speculative_generate(target, drafter, x, 4, num_beams=2)

@@ -83,6 +83,12 @@ class _Pending:
     event: object = None  # CUDA event recorded on the side stream after the pass
 
 
+# Logits processors whose output depends on the calls before (classifier-free guidance runs the model on an
+# unconditional cache it extends at each call; SynthID keeps a context of the tokens it saw): nothing rolls their state
+# back when a drafted row is rejected.
+STATEFUL_PROCESSORS = {"UnbatchedClassifierFreeGuidanceLogitsProcessor", "SynthIDTextWatermarkLogitsProcessor"}
+
+
 def choose_hypotheses(
     probs: torch.Tensor, draft: list[int], budget: int, with_bonus: bool = True
 ) -> list[tuple[int, int | None]]:
@@ -232,6 +238,13 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.block_size = block_size or config.block_size
         # transformers hands the assistant a plain list of processors; the wrapper makes it callable
         self.logits_processor = LogitsProcessorList(logits_processor or [])
+        stateful = sorted({type(p).__name__ for p in self.logits_processor} & STATEFUL_PROCESSORS)
+        if stateful:
+            raise ValueError(
+                f"{stateful} keep state from call to call; speculative decoding calls them for draft and verify "
+                "rows that may be rejected, so the output would no longer be the target's own: decode without a "
+                "drafter for guidance_scale or a SynthID watermark"
+            )
         self.do_sample = do_sample
         self.cache = DynamicCache()
         self.stats = D3DStats()
