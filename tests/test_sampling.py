@@ -95,3 +95,40 @@ def test_speculative_sampling_matches_target_distribution():
     counts, accepted_any = sample_two_tokens(target, drafter, x, seed=1234)
     assert accepted_any > 100  # drafts really were accepted, so the accept/resample path was exercised
     assert chi_square_pvalue(counts, joint) > 1e-3
+
+
+def test_truncating_warpers_and_a_penalty_keep_both_paths_lossless():
+    """Top-k and top-p that cut the vocabulary, with a repetition penalty: the first two tokens drawn through
+    ``generate(assistant_model=...)`` and through the fast loop follow the target's own sampling distribution."""
+    from transformers import GenerationConfig
+
+    from hf_d3d import speculative_generate
+
+    target = tiny_target("qwen3", vocab=12, seed=5)
+    drafter = make_drafter(target, block_size=2)
+    x = torch.tensor([[4, 7, 9, 7]])
+    settings = dict(do_sample=True, temperature=0.7, top_k=4, top_p=0.9, repetition_penalty=1.3)
+    # the processors generate builds for these settings, in its order
+    processors = target._get_logits_processor(
+        GenerationConfig(**settings), input_ids_seq_length=x.shape[1], encoder_input_ids=x
+    )
+    with torch.no_grad():
+        joint = _target_joint(target, x, processors)
+    assert (joint > 0).sum() < 40  # the cut is real: most of the 144 pairs cannot be drawn
+    kw = dict(settings, max_new_tokens=3, eos_token_id=None)  # 3: the first round drafts two tokens
+    runs = {
+        "hub": lambda: target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafter, **kw),
+        "fast": lambda: speculative_generate(target, drafter, x, **kw),
+    }
+    for name, run in runs.items():
+        torch.manual_seed(7)
+        counts, accepted = torch.zeros(144), 0
+        for _ in range(1500):
+            with count_forwards(target) as calls:
+                out = run()
+            a, b = out[0, x.shape[1] : x.shape[1] + 2].tolist()
+            counts[a * 12 + b] += 1
+            accepted += calls["n"] < 3  # 3 tokens in fewer target forwards: a draft token was accepted
+        assert accepted > 100, name  # so accept and resample both ran
+        assert (counts[joint == 0] == 0).all(), name  # nothing outside the target's support
+        assert chi_square_pvalue(counts, joint) > 1e-3, name

@@ -262,9 +262,11 @@ def test_fast_loop_settings_merge_as_generate_merges_them():
     assert torch.equal(speculative_generate(target, drafter, x, max_length=12, eos_token_id=None), ref)
 
 
-def test_fast_loop_builds_the_processors_generate_builds():
-    """Settings that need logits processors get generate's own; a caller's processors merge in as in generate."""
+def test_fast_loop_builds_the_processors_generate_builds(oracle):
+    """Settings that need logits processors get generate's own; a caller's processors merge in as in generate.
+    The oracle drafts the target's unprocessed greedy tokens: rounds accept some and reject others."""
     target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
+    oracle.target, oracle.noise = target, 0.2
     x = torch.tensor([[9, 10, 11, 12, 9, 10]])
     first = int(plain(target, x, 1, None)[0, -1])
     for setting, prompt in (
@@ -277,7 +279,10 @@ def test_fast_loop_builds_the_processors_generate_builds():
         kw = {"eos_token_id": None, **setting}
         ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False, **kw)
         assert not torch.equal(ref, plain(target, prompt, 16, None)), setting  # the setting changes the output
-        assert torch.equal(speculative_generate(target, drafter, prompt, max_new_tokens=16, **kw), ref), setting
+        for tree in (None, False):  # draft trees (greedy's default) and chains
+            out = speculative_generate(target, drafter, prompt, max_new_tokens=16, tree=tree, **kw)
+            assert torch.equal(out, ref), (setting, tree)
+            assert drafter.last_stats.accepted_tokens > 0
     # a caller's processor and a setting at once: generate applies both, and so does the loop
     extra = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
     ref = target.generate(
