@@ -58,13 +58,13 @@ def _processors(
             "or call target.generate(..., custom_generate=d3d_generate, drafter=drafter)"
         )
     config = copy.copy(config)  # transformers writes tensor forms of the special tokens into the config it gets
-    target._prepare_special_tokens(config, device=input_ids.device)
+    target._prepare_special_tokens(config, device=target.device)  # where the loop's ids and logits are
     return target._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=input_ids.shape[1],
-        encoder_input_ids=input_ids,  # a decoder-only generate's "encoder" ids are its prompt
+        encoder_input_ids=input_ids.to(target.device),  # a decoder-only generate's "encoder" ids are its prompt
         logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
-        device=input_ids.device,
+        device=target.device,
     )
 
 
@@ -238,6 +238,11 @@ def speculative_generate(
             max_new_tokens = config.max_new_tokens
         else:
             max_new_tokens = 128 if max_length is None else max(0, max_length - input_ids.shape[1])
+    # the lengths generate settles before it builds its processors (forced EOS reads max_length, min_new_tokens
+    # overrides min_length)
+    config.max_length = input_ids.shape[1] + max_new_tokens
+    if config.min_new_tokens is not None:
+        config.min_length = input_ids.shape[1] + config.min_new_tokens
     if fused:
         from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
 

@@ -129,6 +129,6 @@ def test_truncating_warpers_and_a_penalty_keep_both_paths_lossless():
             a, b = out[0, x.shape[1] : x.shape[1] + 2].tolist()
             counts[a * 12 + b] += 1
             accepted += calls["n"] < 3  # 3 tokens in fewer target forwards: a draft token was accepted
-        assert accepted > 100, name  # so accept and resample both ran
+        assert accepted > 100, name  # the accept rule ran, not only the draws after a rejection
         assert (counts[joint == 0] == 0).all(), name  # nothing outside the target's support
         assert chi_square_pvalue(counts, joint) > 1e-3, name

@@ -264,40 +264,41 @@ def test_fast_loop_settings_merge_as_generate_merges_them():
 
 def test_fast_loop_builds_the_processors_generate_builds(oracle):
     """Settings that need logits processors get generate's own; a caller's processors merge in as in generate.
-    The oracle drafts the target's unprocessed greedy tokens: rounds accept some and reject others."""
+    The oracle drafts the target's unprocessed greedy tokens (and noise): rounds accept some and reject others."""
     target, drafter = TARGETS["llama"], DRAFTERS[("llama", 4)]
     oracle.target, oracle.noise = target, 0.2
     x = torch.tensor([[9, 10, 11, 12, 9, 10]])
-    first = int(plain(target, x, 1, None)[0, -1])
+    free = plain(target, x, 16, None)[0, x.shape[1] :].tolist()
+    first = free[0]
     for setting, prompt in (
         (dict(repetition_penalty=1.5), x),
         (dict(no_repeat_ngram_size=2), x),
         (dict(encoder_no_repeat_ngram_size=2), torch.tensor([[9, 9, 9, 9]])),  # its continuation repeats "9 9"
         (dict(min_new_tokens=12, eos_token_id=first), x),
+        (dict(min_length=x.shape[1] + 12, eos_token_id=first), x),
+        (dict(forced_eos_token_id=free[3]), x),  # forced as the 16th new token: max_length as generate sets it
         (dict(suppress_tokens=[first]), x),
+        (dict(begin_suppress_tokens=[first]), x),
+        (dict(bad_words_ids=[[free[1], free[2]]]), x),
+        (dict(sequence_bias={(free[2],): -100.0}), x),
+        (dict(exponential_decay_length_penalty=(4, 3.0), eos_token_id=free[5]), x),
     ):
         kw = {"eos_token_id": None, **setting}
         ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False, **kw)
         assert not torch.equal(ref, plain(target, prompt, 16, None)), setting  # the setting changes the output
-        for tree in (None, False):  # draft trees (greedy's default) and chains
+        for tree in (True, False):  # draft trees (greedy's default) and chains
+            torch.manual_seed(0)  # the oracle's noise
             out = speculative_generate(target, drafter, prompt, max_new_tokens=16, tree=tree, **kw)
             assert torch.equal(out, ref), (setting, tree)
-            assert drafter.last_stats.accepted_tokens > 0
-    # a caller's processor and a setting at once: generate applies both, and so does the loop
-    extra = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
-    ref = target.generate(
-        x,
-        attention_mask=torch.ones_like(x),
-        max_new_tokens=16,
-        do_sample=False,
-        eos_token_id=None,
-        no_repeat_ngram_size=2,
-        logits_processor=extra,
-    )
-    out = speculative_generate(
-        target, drafter, x, max_new_tokens=16, eos_token_id=None, no_repeat_ngram_size=2, logits_processor=extra
-    )
-    assert torch.equal(out, ref)
+            stats = drafter.last_stats
+            assert 0 < stats.accepted_tokens < stats.drafted_tokens, (setting, tree)  # accepted and rejected drafts
+    # a caller's processor and settings at once, as generate merges them: another kind is added, the same kind
+    # (a repetition penalty) takes the place of the one the setting builds
+    extra = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(2.0)])
+    kw = dict(max_new_tokens=16, eos_token_id=None, no_repeat_ngram_size=2, repetition_penalty=1.2)
+    ref = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, logits_processor=extra, **kw)
+    assert not torch.equal(ref, target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, **kw))
+    assert torch.equal(speculative_generate(target, drafter, x, logits_processor=extra, **kw), ref)
 
 
 def test_fast_loop_refuses_what_it_cannot_keep_lossless():

@@ -20,6 +20,8 @@ from transformers.generation import (
     LogitsProcessorList,
     MaxLengthCriteria,
     MaxTimeCriteria,
+    SynthIDTextWatermarkLogitsProcessor,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -86,7 +88,7 @@ class _Pending:
 # Logits processors whose output depends on the calls before (classifier-free guidance runs the model on an
 # unconditional cache it extends at each call; SynthID keeps a context of the tokens it saw): nothing rolls their state
 # back when a drafted row is rejected.
-STATEFUL_PROCESSORS = {"UnbatchedClassifierFreeGuidanceLogitsProcessor", "SynthIDTextWatermarkLogitsProcessor"}
+STATEFUL_PROCESSORS = (UnbatchedClassifierFreeGuidanceLogitsProcessor, SynthIDTextWatermarkLogitsProcessor)
 
 
 def choose_hypotheses(
@@ -238,7 +240,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.block_size = block_size or config.block_size
         # transformers hands the assistant a plain list of processors; the wrapper makes it callable
         self.logits_processor = LogitsProcessorList(logits_processor or [])
-        stateful = sorted({type(p).__name__ for p in self.logits_processor} & STATEFUL_PROCESSORS)
+        stateful = sorted({type(p).__name__ for p in self.logits_processor if isinstance(p, STATEFUL_PROCESSORS)})
         if stateful:
             raise ValueError(
                 f"{stateful} keep state from call to call; speculative decoding calls them for draft and verify "
