@@ -137,6 +137,20 @@ def run_bench(
 
 
 @torch.no_grad()
+def balanced_orders(n: int) -> list[list[int]]:
+    """Run orders of ``n`` methods (a Williams design): over the rows each method takes every position equally often
+    and follows every other method equally often, so neither a position nor a predecessor (a warm cache, a CPU clock
+    the last method raised) favours one. ``n`` rows, or ``2n`` (each row and its mirror) for odd ``n``."""
+    first, low, high = [0], 1, n - 1
+    for i in range(1, n):
+        if i % 2:
+            first, low = first + [low], low + 1
+        else:
+            first, high = first + [high], high - 1
+    rows = [[(m + shift) % n for m in first] for shift in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def run_methods(
     target: PreTrainedModel,
     runners: dict[str, tuple[Runner, PreTrainedModel | None]],
@@ -144,7 +158,8 @@ def run_methods(
     max_new_tokens: int,
     warmup: int = 1,
 ) -> dict:
-    """Time named ``runners`` (one must be ``plain``) alternately on every prompt, after a warm-up.
+    """Time named ``runners`` (one must be ``plain``) alternately on every prompt, in :func:`balanced_orders`,
+    after a warm-up.
 
     Each runner comes with the D3D drafter whose ``last_stats`` describe its last call, or None.
     """
@@ -155,9 +170,10 @@ def run_methods(
         for run, _ in runners.values():
             run(torch.tensor([ids], device=target.device))
     records = {m: [] for m in methods}
+    orders = balanced_orders(len(methods))
     for p, ids in enumerate(tqdm(prompts_ids, desc="bench")):
         x = torch.tensor([ids], device=target.device)
-        order = methods[p % len(methods) :] + methods[: p % len(methods)]
+        order = [methods[i] for i in orders[p % len(orders)]]
         outs = {}
         for m in order:
             run, stats_from = runners[m]

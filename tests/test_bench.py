@@ -186,3 +186,15 @@ def test_a_device_that_is_not_there_is_refused_up_front(command, monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cli._device("auto") == torch.device("cuda")
     assert cli._device_flag(torch.device("cpu")) == "" and cli._device_flag(torch.device("cuda")) == " --device cuda"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_orders_balance_positions_and_predecessors(n):
+    from collections import Counter
+
+    rows = bench.balanced_orders(n)
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    positions = Counter((m, i) for row in rows for i, m in enumerate(row))
+    assert len(set(positions.values())) == 1 and len(positions) == n * n  # every method at every position alike
+    follows = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1  # and after every other method alike
