@@ -129,8 +129,7 @@ def _plan(
     config: GenerationConfig,
     max_new_tokens: int,
     attention_mask: torch.Tensor | None,
-    logits_processor: LogitsProcessorList | None,
-    stopping_criteria,
+    procs: LogitsProcessorList,
     async_drafting: bool | None,
     tree: bool | None,
     skinny: bool | None,
@@ -145,7 +144,6 @@ def _plan(
     if config.num_beams not in (None, 1):
         raise ValueError("D3D speculative decoding does not support beam search")
     check_pair(target, drafter)
-    procs = _processors(target, config, input_ids, logits_processor, stopping_criteria)
     exact = is_exact(target)
     kind = config.cache_implementation or "dynamic"
     if exact and kind != "dynamic":
@@ -243,10 +241,10 @@ def speculative_generate(
     config.max_length = input_ids.shape[1] + max_new_tokens
     if config.min_new_tokens is not None:
         config.min_length = input_ids.shape[1] + config.min_new_tokens
+    procs = _processors(target, config, input_ids, logits_processor, stopping_criteria)
     if fused:
         from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
 
-        procs = _processors(target, config, input_ids, logits_processor, stopping_criteria)
         _refuse_for_fused(config, procs, async_drafting, skinny, attention_mask)
         return fused_generate(
             target,
@@ -266,8 +264,7 @@ def speculative_generate(
         config,
         max_new_tokens,
         attention_mask,
-        logits_processor,
-        stopping_criteria,
+        procs,
         async_drafting,
         tree,
         skinny,
