@@ -11,13 +11,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write JSON to a temporary file in the same folder, fsync, then rename over ``path``."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to a temporary file in the same folder, fsync, then rename over ``path``."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a scratch file
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: object) -> None:
+    """Write JSON to a temporary file in the same folder, fsync, then rename over ``path``."""
+    write_text_atomic(path, json.dumps(obj, indent=2))
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Save a matplotlib figure as PNG under a scratch name, then rename it over ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, dpi=120, format="png")
     os.replace(tmp, path)
 
 

@@ -7,7 +7,6 @@ per-prompt ratio to plain ``generate`` measured in the same run. tau counts comm
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import time
 from collections import Counter
@@ -18,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from hf_d3d.atomic import save_figure, write_json_atomic, write_text_atomic
 from hf_d3d.calibrate import synchronize
 from hf_d3d.cpu.skinny import no_skinny_linears, skinny_by_default, skinny_linears
 from hf_d3d.evaluate import count_forwards
@@ -271,7 +271,7 @@ def plot(result: dict, path: str | Path) -> None:
         ax2.legend()
     fig.suptitle(f"{result['num_prompts']} prompts, {result['max_new_tokens']} new tokens, greedy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -279,9 +279,9 @@ def write_outputs(result: dict, out: str | Path) -> tuple[Path, Path, Path]:
     """Write RESULT.json, RESULT.md and RESULT.png side by side."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json_atomic(out, result)
     md = out.with_suffix(".md")
-    md.write_text(markdown_table(result) + "\n")
+    write_text_atomic(md, markdown_table(result) + "\n")
     png = out.with_suffix(".png")
     plot(result, png)
     return out, md, png

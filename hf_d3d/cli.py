@@ -381,6 +381,8 @@ def _cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _cmd_eval_tau(args: argparse.Namespace) -> None:
+    import torch
+
     from hf_d3d.checks import check_pair
     from hf_d3d.evaluate import measure_tau
     from hf_d3d.prompts import load_prompts
@@ -389,7 +391,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
 
     device = _device(args.device)
     target, tokenizer = load_target(args.target, device=device)
-    drafter = load_drafter(args.drafter, device=device)
+    drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"), device=device)
     check_pair(target, drafter, tokenizer)
     if args.async_drafting:  # otherwise the drafter's own setting (sync unless its config asks for async)
         drafter.config.async_drafting = True
@@ -397,6 +399,8 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         drafter.config.num_hypotheses = args.num_hypotheses
     mode = f" --async --num-hypotheses {drafter.config.num_hypotheses}" if args.async_drafting else ""
     mode += _device_flag(device)
+    if args.drafter_dtype != "auto":  # tau moves by a few hundredths between bf16 and fp32 drafters
+        mode += f" --drafter-dtype {args.drafter_dtype}"
     if args.fixed_length:  # the drafter's quality at num_assistant_tokens per round, whatever a round costs here
         drafter.config.round_cost = None
         mode += " --fixed-length"
@@ -419,6 +423,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
                 "num_prompts": len(ids),
                 "max_new_tokens": args.max_new_tokens,
                 **res,
+                "drafter_dtype": str(drafter.dtype).removeprefix("torch."),
                 "command": command,
             }
         )
@@ -479,9 +484,16 @@ def _cmd_prune(args: argparse.Namespace) -> None:
     report = prune(
         target, drafter, ids, args.out, args.retention, args.target_depth, args.max_new_tokens, heal, judge, holdout
     )
+    held = report.get("holdout")
     print(
         f"{report['final_layers']} layers kept (removed {report['removed_layers']}): "
-        f"tau {report['base_tau']:.3f} -> {report['final_tau']:.3f}; checkpoint in {Path(args.out) / 'model'}"
+        f"tau {report['base_tau']:.3f} -> {report['final_tau']:.3f} on the data that chose them"
+        + (
+            f", {held['tau_before']:.3f} -> {held['tau_after']:.3f} on {held['prompts']} held-out prompts"
+            if held
+            else " (no --holdout-prompts: nothing measured on prompts the pruning did not see)"
+        )
+        + f"; checkpoint in {Path(args.out) / 'model'}"
     )
 
 
@@ -527,6 +539,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     from hf_d3d.modeling.generation_d3d import cpu_kind, round_cost_key
     from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
 
+    if args.write and not (Path(args.drafter or DEFAULT_DRAFTER) / "config.json").is_file():  # before measuring
+        raise FileNotFoundError(f"--write records in a drafter folder's config.json; {args.drafter!r} is not one")
     target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=_device(args.device))
     drafter = load_drafter(args.drafter, device=target.device)
     check_pair(target, drafter)
@@ -807,6 +821,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts of each set")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--write-metrics", action="store_true", help="record the rows in DRAFTER/d3d_metrics.json")
+    p.add_argument(
+        "--drafter-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the drafter's compute type (auto: as stored, bf16 for ours; fp32 on a CPU without bf16 units)",
+    )
     _add_device(p)
     p.add_argument(
         "--async", dest="async_drafting", action="store_true", help="async packed drafting (reports the hit rate)"
@@ -841,7 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-holdout-prompts", type=int, default=8, help="prompts per holdout source")
     p.add_argument("--retention", type=float, default=0.99)
-    p.add_argument("--target-depth", type=int, default=None)
+    p.add_argument(
+        "--target-depth", type=int, default=None, help="prune to this many layers, whatever tau (overrides --retention)"
+    )
     p.add_argument("--heal-steps", type=int, default=0, help="fine-tune steps after each removal (0: no healing)")
     p.add_argument(
         "--heal-data", nargs="+", default=None, help="finished `hf-d3d distill` folders or token files to heal on"

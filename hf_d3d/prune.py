@@ -2,7 +2,8 @@
 
 Each step measures mean tau on calibration prompts with every remaining layer skipped in turn (layers are skipped
 at run time, so no copy is made), removes the cheapest one, and optionally heals with a short fine-tune (then the
-healed tau decides). It stops before tau would fall below ``retention`` x the unpruned tau, or at ``target_depth``.
+healed tau decides). It stops before tau would fall below ``retention`` x the unpruned tau; with ``target_depth``,
+at that depth whatever tau.
 Progress is saved after every step (``prune_state.json``), so an interrupted run resumes where it stopped.
 """
 
@@ -12,6 +13,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,13 +22,14 @@ from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from hf_d3d.atomic import atomic_folder, write_json_atomic
+from hf_d3d.atomic import atomic_folder, save_figure, write_json_atomic
 from hf_d3d.evaluate import measure_tau, teacher_forced_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel, _layer_state
-from hf_d3d.train.trainer import FINAL, TrainConfig, train
+from hf_d3d.train.trainer import FINAL, RUN_LOGISTICS, TrainConfig, data_fingerprint, train
 
 STATE = "prune_state.json"
 REPORT = "prune_report.json"
+METRICS = "d3d_metrics.json"  # as hf_d3d.publish names it
 
 
 def _renumber_layers(state: dict[str, torch.Tensor], index: dict[int, int]) -> dict[str, torch.Tensor]:
@@ -49,6 +52,7 @@ def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
         raise ValueError("cannot remove every layer")
     config = copy.deepcopy(drafter.config)
     config.num_hidden_layers = len(keep)
+    config.round_cost = None  # measured for the old depth
     source_ids = drafter.config.target_layer_ids or list(range(drafter.config.num_hidden_layers))
     config.target_layer_ids = [source_ids[i] for i in keep]
     if config.block_adapter_layers is not None:
@@ -60,7 +64,10 @@ def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
     pruned.load_state_dict(renumbered, strict=True)
     pruned.generation_config = copy.deepcopy(drafter.generation_config)
     if config.base_model_checksum is not None:  # the base weights it holds are now a subset of the LM's
-        pruned.config.base_model_checksum = pruned.base_checksum()
+        drift = drafter._base_drift()
+        # A base that training changed stays marked as changed (by the same offset), so the pruned drafter too is
+        # saved whole rather than with the original base fetched in place of its trained one.
+        pruned.config.base_model_checksum = pruned.base_checksum() + (drift[1] - drift[0] if drift else 0.0)
     return pruned.eval()
 
 
@@ -143,6 +150,7 @@ def teacher_forced_judge(records: list[dict], blocks_per_record: int = 8) -> Cal
             drafter.model.skip_layers = set()
 
     judge.description = f"teacher-forced tau on {len(records)} answers x {blocks_per_record} blocks"
+    judge.fingerprint = f"{data_fingerprint(records)}:{blocks_per_record}"  # a resumed pruning is judged the same
     return judge
 
 
@@ -186,6 +194,10 @@ def prune(
         "max_new_tokens": max_new_tokens,
         "healed": heal is not None,
     }
+    # which answers judge and which settings and data heal: a finished heal is reused on resume, so they must match
+    for key, part in (("judge_data", judge), ("heal", heal)):
+        if getattr(part, "fingerprint", None):
+            run[key] = part.fingerprint
     state_path = out / STATE
     if state_path.is_file():
         state = json.loads(state_path.read_text())
@@ -272,12 +284,21 @@ def prune(
             "tau_after": measure_tau(target, pruned, holdout_ids, max_new_tokens)["tau"],
         }
         report["holdout"]["retention"] = report["holdout"]["tau_after"] / report["holdout"]["tau_before"]
+    # A rerun of a finished pruning writes the same drafter again: what was measured on it since (`eval-tau
+    # --write-metrics`, `calibrate --write`) stays with it.
+    same = (model_dir / REPORT).is_file() and json.loads((model_dir / REPORT).read_text()).get("removed_layers") == (
+        state["removed"]
+    )
+    if same and (model_dir / "config.json").is_file():
+        pruned.config.round_cost = json.loads((model_dir / "config.json").read_text()).get("round_cost")
     with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
         # unhealed or healed in its adapters alone, its layers are still the base LM's own: store what training
         # changed, as the drafter was
         base_kept = base_unchanged and (heal is None or bool(pruned.config.block_adapter_rank))
         pruned.save_pretrained(tmp, omit_base_weights=base_kept and bool(pruned.config.base_model))
         write_json_atomic(tmp / REPORT, report)
+        if same and (model_dir / METRICS).is_file():
+            shutil.copy2(model_dir / METRICS, tmp / METRICS)
     write_json_atomic(out / REPORT, report)
     plot_report(report, out / "prune_tau.png")
     return report
@@ -317,6 +338,8 @@ def make_healer(records: list[dict], out_dir: str | Path, config: TrainConfig) -
         if stray or unexpected:
             raise ValueError(f"healed weights do not fit the drafter (missing {stray}, unexpected {unexpected})")
 
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in RUN_LOGISTICS or k == "max_steps"}
+    heal.fingerprint = hashlib.sha256(f"{sorted(settings.items())}:{data_fingerprint(records)}".encode()).hexdigest()
     return heal
 
 
@@ -342,5 +365,5 @@ def plot_report(report: dict, path: str | Path) -> None:
     ax.invert_xaxis()
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)

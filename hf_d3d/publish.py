@@ -74,19 +74,29 @@ def render_card(checkpoint: Path, repo_id: str, metrics: dict) -> str:
         judged = rep.get("judge") or f"measured tau on {rep['calibration_prompts']} calibration prompts"
         cheapest = next((s for s in rep["steps"][1:] if not s.get("accepted", True)), None)
         if not rep["removed_layers"] and cheapest is not None:
+            healed = "healed_tau" in cheapest  # a healed removal is judged after its heal
+            tau = cheapest["healed_tau"] if healed else cheapest["tau"]
+            kept = cheapest["healed_retention"] if healed else cheapest["retention"]
             pruning = (
                 f"Pruning by tau (`hf-d3d prune`, {judged}) removed no layer: without its cheapest layer "
-                f"({cheapest['removed']}) the drafter kept {cheapest['retention']:.1%} of its tau "
-                f"({rep['base_tau']:.2f} -> {cheapest['tau']:.2f}), under the {rep['retention_threshold']:.0%} asked."
+                f"({cheapest['removed']}){' and healed' if healed else ''} the drafter kept {kept:.1%} of its tau "
+                f"({rep['base_tau']:.2f} -> {tau:.2f}), under the {rep['retention_threshold']:.0%} asked."
             )
         elif not rep["removed_layers"]:
             pruning = "Not pruned."
         else:
+            held = rep.get("holdout")
             pruning = (
                 f"Pruned from {rep['final_layers'] + len(rep['removed_layers'])} to {rep['final_layers']} layers "
                 f"(removed target layers {rep['removed_target_layers']}); tau {rep['base_tau']:.2f} -> "
-                f"{rep['final_tau']:.2f} ({judged})"
-                + (", each removal healed by a short fine-tune." if rep.get("healed") else ".")
+                f"{rep['final_tau']:.2f} ({judged}, the data that chose the layers)"
+                + (", each removal healed by a short fine-tune" if rep.get("healed") else "")
+                + (
+                    f"; on {held['prompts']} held-out prompts tau {held['tau_before']:.2f} -> {held['tau_after']:.2f} "
+                    f"({held['retention']:.1%} kept)."
+                    if held
+                    else "; not measured on held-out prompts."
+                )
             )
     else:
         pruning = "Not pruned."
@@ -203,7 +213,10 @@ def publish(
     token: str | None = None,
     endpoint: str | None = None,
 ) -> str:
-    """Create ``repo_id`` and upload ``folder`` in one commit; refuses to overwrite an existing repo without force."""
+    """Create ``repo_id`` and upload ``folder`` in one commit; refuses to overwrite an existing repo without force.
+
+    With ``force``, the commit makes the repo hold exactly ``folder``: files a former upload left there (an old
+    ``prune_report.json``, say) are deleted, so nothing in the repo contradicts the new card."""
     api = HfApi(endpoint=endpoint, token=token)
     try:
         user = api.whoami()
@@ -221,8 +234,14 @@ def publish(
     try:
         api.create_repo(repo_id, private=private, exist_ok=force)
         info = api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder), commit_message=f"Upload D3D drafter ({user.get('name', '?')})"
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message=f"Upload D3D drafter ({user.get('name', '?')})",
+            delete_patterns="*" if exists else None,  # .gitattributes is kept by huggingface_hub
         )
     except Exception as err:
-        raise PublishError(f"upload to {repo_id} failed; no commit with the drafter was made: {err}") from err
+        raise PublishError(
+            f"upload to {repo_id} failed; no commit with the drafter was made (the repo may exist now: retry with "
+            f"--force): {err}"
+        ) from err
     return str(getattr(info, "commit_url", info))

@@ -72,6 +72,15 @@ def _handler(state: HubState):
             if path == "/api/whoami-v2":
                 if self._authorised():
                     self._send(200, {"type": "user", "name": "tester", "auth": {"type": "access_token"}})
+            elif parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "tree":  # recursive listing
+                found = state.files_at("/".join(parts[2:4]), parts[5])
+                if found is None:
+                    return self._not_found()
+                entries = [
+                    {"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                    for f, data in sorted(found[1].items())
+                ]
+                self._send(200, entries)
             elif parts[:2] == ["api", "models"] and len(parts) >= 4:
                 repo_id = "/".join(parts[2:4])
                 found = state.files_at(repo_id, parts[5] if len(parts) > 5 else "main")

@@ -137,6 +137,10 @@ def test_a_changed_base_is_not_saved_away(tmp_path):
     prune(None, drafter, [[5, 6]], tmp_path / "pruned", target_depth=2, judge=lambda model, skip: 2.0 - len(skip))
     loaded = D3DDrafterModel.from_pretrained(tmp_path / "pruned" / "model")
     assert loaded.config.target_layer_ids[0] == 0 and torch.equal(loaded.model.layers[0].mlp.down_proj.weight, moved)
+    # and stays marked as changed, so that a later adapters-only run on the pruned drafter keeps it whole too
+    assert not loaded.base_unchanged()
+    with pytest.raises(ValueError, match="base weights changed"):
+        loaded.save_pretrained(tmp_path / "small", omit_base_weights=True)
 
 
 def test_card_says_where_the_base_weights_come_from(tmp_path):

@@ -193,8 +193,13 @@ def test_publish_refuses_an_existing_repo_without_force(hub, hub_folder, tmp_pat
     with pytest.raises(PublishError, match="already exists"):
         publish(folder, "org/x", token=hub_standin.TOKEN, endpoint=endpoint)
     assert len(state.repos["org/x"]) == commits
+    (folder / "prune_report.json").write_text("{}")  # a file the next upload no longer has
     publish(folder, "org/x", token=hub_standin.TOKEN, endpoint=endpoint, force=True)
     assert len(state.repos["org/x"]) == commits + 1
+    (folder / "prune_report.json").unlink()
+    publish(folder, "org/x", token=hub_standin.TOKEN, endpoint=endpoint, force=True)
+    files = state.head("org/x")[1]  # the repo holds the folder, no leftover that contradicts its card
+    assert sorted(files) == sorted([".gitattributes", *(p.name for p in folder.iterdir())])
 
 
 def test_publish_with_a_bad_token_uploads_nothing(hub, hub_folder, tmp_path):

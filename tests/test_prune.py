@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from conftest import make_drafter, tiny_target
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
-from hf_d3d.prune import drop_layers, insert_layers, make_healer, prune
+from hf_d3d.prune import drop_layers, insert_layers, make_healer, prune, teacher_forced_judge
 from hf_d3d.train.distill import DistillConfig, distill, load_records
 from hf_d3d.train.trainer import TrainConfig, train
 
@@ -60,11 +61,17 @@ def test_prune_resumes_from_its_state(trained, tmp_path):
     target, drafter, prompts = trained
     report = prune(target, drafter, prompts, tmp_path, target_depth=2, max_new_tokens=24)
     state = json.loads((tmp_path / "prune_state.json").read_text())
+    # measured on the pruned drafter since (eval-tau --write-metrics, calibrate --write): a rerun keeps it
+    (tmp_path / "model" / "d3d_metrics.json").write_text('{"rows": []}')
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "round_cost": {"cpu": [1.1, 1.2]}}))
     again = prune(target, drafter, prompts, tmp_path, target_depth=2, max_new_tokens=24)  # nothing left to do
     assert again["steps"] == report["steps"] == state["steps"]
+    assert (tmp_path / "model" / "d3d_metrics.json").read_text() == '{"rows": []}'
+    assert D3DDrafterModel.from_pretrained(tmp_path / "model").config.round_cost == {"cpu": [1.1, 1.2]}
 
 
-def test_a_saved_pruning_is_resumed_only_for_its_drafter_and_settings(trained, tmp_path):
+def test_a_saved_pruning_is_resumed_only_for_its_drafter_and_settings(trained, heal_records, tmp_path):
     """Rerunning the recipe after retraining the drafter, or with another depth, used to replay the old run's
     removals and report; and a holdout made of calibration prompts is no holdout."""
     target, drafter, prompts = trained
@@ -79,6 +86,10 @@ def test_a_saved_pruning_is_resumed_only_for_its_drafter_and_settings(trained, t
     with pytest.raises(ValueError, match="holdout prompts are calibration prompts"):
         prune(target, drafter, prompts, tmp_path / "b", max_new_tokens=24, holdout_ids=prompts[:2])
     assert not (tmp_path / "b").exists()
+    # the judge's answers are part of the run: steps judged on other answers are not mixed in
+    prune(target, drafter, [], tmp_path / "c", target_depth=2, judge=teacher_forced_judge(heal_records[:4]))
+    with pytest.raises(ValueError, match=r"other settings \(judge_data\)"):
+        prune(target, drafter, [], tmp_path / "c", target_depth=2, judge=teacher_forced_judge(heal_records[4:8]))
 
 
 def test_pruned_checkpoint_equals_skip_layer_model(trained, tmp_path, monkeypatch):
@@ -183,6 +194,13 @@ def test_healing_trains_the_smaller_drafter_and_resumes_without_retraining(
     )
     assert again["steps"] == report["steps"]
     torch.testing.assert_close(D3DDrafterModel.from_pretrained(tmp_path / "model").state_dict(), run.state_dict())
+    # a heal of other length or data would reuse heal-1 as if it were its own: refused
+    for other in (
+        make_healer(heal_records, tmp_path, replace(cfg, max_steps=40)),
+        make_healer(heal_records[1:], tmp_path, cfg),
+    ):
+        with pytest.raises(ValueError, match=r"other settings \(heal\)"):
+            prune(target, copy.deepcopy(drafter), prompts, tmp_path, target_depth=2, max_new_tokens=24, heal=other)
 
 
 def test_refused_healed_removal_leaves_the_unhealed_drafter(trained, heal_records, tmp_path):
@@ -220,6 +238,8 @@ def test_grown_drafter_drafts_like_the_original_and_prunes_back_to_it(trained):
     small.config.round_cost = None
     assert measure_tau(target, grown, prompts, 24) == measure_tau(target, small, prompts, 24)
     torch.testing.assert_close(drop_layers(grown, [1]).state_dict(), small.state_dict())
+    grown.config.round_cost = {"cpu": [1.2, 1.4]}
+    assert drop_layers(grown, [1]).config.round_cost is None  # measured for the old depth
     grown.train()
     grown(x).logits.float().logsumexp(-1).sum().backward()
     assert added.self_attn.o_proj.weight.grad.abs().sum() > 0  # training can move the identity

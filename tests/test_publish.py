@@ -69,6 +69,29 @@ def test_card_states_a_pruning_that_removed_no_layer_and_why(checkpoint):
     card = render_card(checkpoint, "someone/x", load_metrics(checkpoint))
     assert "removed no layer" in card and "(1) the drafter kept 83.3% of its tau (2.40 -> 2.00)" in card
     assert "Pruned from" not in card
+    rejected.update(healed_tau=2.3, healed_retention=2.3 / 2.4)  # a healed removal was refused on its healed tau
+    (checkpoint / "prune_report.json").write_text(json.dumps(report))
+    card = render_card(checkpoint, "someone/x", load_metrics(checkpoint))
+    assert "(1) and healed the drafter kept 95.8% of its tau (2.40 -> 2.30), under the 99% asked" in card
+
+
+def test_card_of_a_pruned_drafter_gives_its_held_out_tau(checkpoint):
+    """The tau of the data that chose the layers flatters the pruning: the card says which number is which."""
+    from hf_d3d.publish import load_metrics, render_card
+
+    report = {
+        "base_tau": 2.4, "retention_threshold": 0.99, "removed_layers": [1], "removed_target_layers": [5],
+        "final_layers": 2, "final_tau": 2.39, "judge": "teacher-forced tau on 16 answers x 8 blocks",
+        "steps": [{"layers": 3, "removed": None, "tau": 2.4}, {"layers": 2, "removed": 1, "tau": 2.39}],
+    }  # fmt: skip
+    (checkpoint / "prune_report.json").write_text(json.dumps(report))
+    card = render_card(checkpoint, "someone/x", load_metrics(checkpoint))
+    assert "tau 2.40 -> 2.39 (teacher-forced tau on 16 answers x 8 blocks, the data that chose the layers)" in card
+    assert "not measured on held-out prompts" in card
+    report["holdout"] = {"prompts": 20, "tau_before": 2.32, "tau_after": 2.2, "retention": 2.2 / 2.32}
+    (checkpoint / "prune_report.json").write_text(json.dumps(report))
+    card = render_card(checkpoint, "someone/x", load_metrics(checkpoint))
+    assert "on 20 held-out prompts tau 2.32 -> 2.20 (94.8% kept)" in card
 
 
 def test_card_states_the_draft_vocabulary(tmp_path):

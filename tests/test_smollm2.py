@@ -126,6 +126,10 @@ def test_calibrate_command_records_round_costs(tmp_path, capsys):
     assert {"cuda", default, skinny, here, f"{here}:bfloat16"} <= set(costs) and len(costs[f"{here}:bfloat16"]) == 8
     assert len(costs[here]) == 8 and len(costs[skinny]) == 8
     assert main(["calibrate", "--drafter", str(tmp_path / "missing"), "--repeats", "1"]) == 2  # a clear error
+    capsys.readouterr()
+    # --write needs a folder to write in: said before anything is loaded or measured
+    assert main(["calibrate", "--drafter", "org/hub-drafter", "--write"]) == 2
+    assert "'org/hub-drafter' is not one" in capsys.readouterr().err
 
 
 def test_committed_whole_lm_drafter_loads_its_base_and_is_lossless(pair):
@@ -184,7 +188,8 @@ def test_bench_records_the_generate_speedup_and_its_setting_on_the_card(tmp_path
 
 
 def test_eval_tau_measures_a_later_slice_and_names_it(pair, tmp_path):
-    """`--skip-prompts` measures the next prompts of a set (a second sample), and its row and command say which."""
+    """`--skip-prompts` measures the next prompts of a set (a second sample) and `--drafter-dtype` the drafter's compute
+    type; its row and command say which."""
     import shutil
 
     from hf_d3d.cli import main
@@ -198,11 +203,13 @@ def test_eval_tau_measures_a_later_slice_and_names_it(pair, tmp_path):
     del metrics["base_model"]  # the command records the target it measured on, which the card names
     (folder / "d3d_metrics.json").write_text(json.dumps(metrics))
     args = ["eval-tau", "--drafter", str(folder), "--prompts", "gsm8k:test", "--num-prompts", "1"]
-    assert main([*args, "--skip-prompts", "3", "--max-new-tokens", "8", "--fixed-length", "--write-metrics"]) == 0
+    args += ["--skip-prompts", "3", "--max-new-tokens", "8", "--drafter-dtype", "float32"]  # stored in bf16
+    assert main([*args, "--fixed-length", "--write-metrics"]) == 0
     assert load_metrics(folder)["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     row = next(r for r in load_metrics(folder)["rows"] if r["dataset"].startswith("gsm8k:test[3:4]"))
-    assert "--num-prompts 1 --skip-prompts 3 --max-new-tokens 8" in row["command"]
-    drafter = load_drafter(str(folder))  # as the command loads it
+    assert "--num-prompts 1 --skip-prompts 3 --max-new-tokens 8 --drafter-dtype float32" in row["command"]
+    assert row["drafter_dtype"] == "float32"
+    drafter = load_drafter(str(folder), dtype=torch.float32)  # as the command loads it
     drafter.config.round_cost = None  # as --fixed-length sets it
     expected = measure_tau(target, drafter, [chat_prompt_ids(tokenizer, load_prompts("gsm8k:test")[3])], 8)
     assert (row["new_tokens"], row["target_forwards"]) == (expected["new_tokens"], expected["target_forwards"])
