@@ -951,8 +951,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--repo-id", required=True)
     p.add_argument("--folder", default=None, help="where to assemble the Hub folder (default: CHECKPOINT-hub)")
-    p.add_argument("--private", action="store_true")
-    p.add_argument("--force", action="store_true", help="upload over an existing repo")
+    p.add_argument("--private", action="store_true", help="create the repo private (an existing repo keeps its own)")
+    p.add_argument(
+        "--force", action="store_true", help="upload over an existing repo (files the folder lacks are deleted there)"
+    )
     p.add_argument("--dry-run", action="store_true", help="write the folder only")
     p.set_defaults(func=_cmd_publish)
 
