@@ -146,7 +146,8 @@ def test_accelerate_launch_trains_on_two_cpu_processes(tmp_path):
 @pytest.mark.slow
 def test_a_single_process_run_continues_under_accelerate_launch(tmp_path):
     """A run started on one device goes on with `accelerate launch` and the same command (the move to GPUs)."""
-    _target_and_data(tmp_path)
+    records = _target_and_data(tmp_path)
+    assert 8 <= records < 12  # so that step 3 (4 records at offset 4) still fits epoch 0, and step 4 opens epoch 1
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     # two steps in one process; then the same command under `accelerate launch`, asking for four, goes on from there
     first = [sys.executable, "-m", "hf_d3d.cli", *_train_args(tmp_path), "--steps", "2", "--save-every", "1"]
@@ -162,3 +163,6 @@ def test_a_single_process_run_continues_under_accelerate_launch(tmp_path):
     log = json.loads((tmp_path / "run" / "final" / "training_log.json").read_text())["log"]
     assert [entry["step"] for entry in log] == [1, 2, 3, 4]
     assert [entry["loss"] for entry in log[:2]] == before  # the first two steps were not run again
+    # two steps of 2 records, then two of 4: step 3 read on in epoch 0 (records 4-7 of its order), none skipped
+    state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["data_cursor"] == {"epoch": 1, "offset": 4, "order_per_step": 4}

@@ -408,6 +408,35 @@ def test_resume_gives_the_same_state(toy, toy_data, tmp_path, monkeypatch, group
     assert [m["step"] for m in log] == list(range(1, 7))
     elapsed = [m["elapsed_s"] for m in log]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
+    # a checkpoint written before the data cursor was saved is placed by its step, and resumes the same
+    train_until_first_checkpoint(monkeypatch, make_drafter(target, block_size=4), toy_data, tmp_path / "c", cfg)
+    state_file = tmp_path / "c" / "checkpoint" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state.pop("data_cursor")["order_per_step"] == 4
+    state_file.write_text(json.dumps(state))
+    old = type(make_drafter(target)).from_pretrained(
+        train(make_drafter(target, block_size=4), toy_data, tmp_path / "c", cfg)
+    )
+    for name, value in old.state_dict().items():
+        torch.testing.assert_close(a[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_resume_under_more_processes_reads_on_where_the_data_stood():
+    """Moving a run to more processes changes how many records a step reads, not which records come next."""
+    from hf_d3d.train.trainer import take_records
+
+    # one per_step throughout: the positions a step index gave, the remainder of each epoch left out
+    cursor, seen = {"epoch": 0, "offset": 0, "order_per_step": 4}, []
+    for _ in range(7):
+        at, cursor = take_records(cursor, 4, 10)
+        seen.append((at["epoch"], at["offset"]))
+    assert seen == [(e, k * 4) for e, k in (divmod(i, 10 // 4) for i in range(7))]
+    # two steps of 2 records, then 4 a step (twice the processes): the epoch's order read on, nothing skipped
+    cursor, read = {"epoch": 0, "offset": 0, "order_per_step": 2}, []
+    for per_step in (2, 2, 4, 4):
+        at, cursor = take_records(cursor, per_step, 10)
+        read.append((at["epoch"], at["offset"], at["order_per_step"]))
+    assert read == [(0, 0, 2), (0, 2, 2), (0, 4, 2), (1, 0, 4)]
 
 
 def test_fp16_loss_scale_continues_across_a_resume(toy, toy_data, tmp_path, monkeypatch):

@@ -2,8 +2,9 @@
 
 Checkpoints are folders written beside their final name and renamed into place: ``checkpoint/`` holds the drafter
 (``save_pretrained``), ``optimizer.safetensors`` and ``trainer_state.json``; no pickle anywhere, so resuming never
-unpickles a file. The data order and the block anchors depend only on (seed, step), so a resumed run draws exactly
-the batches the interrupted one would have.
+unpickles a file. The data order depends only on the seed and the block anchors on (seed, step), so a resumed run
+draws exactly the batches the interrupted one would have; resumed under more processes, it reads on from where
+the data stood.
 """
 
 from __future__ import annotations
@@ -248,17 +249,21 @@ def save_checkpoint(
     log: list,
     data_id: str | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    data_cursor: dict | None = None,
 ) -> None:
     """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in.
 
     ``scaler``: fp16 training's loss scaler, whose scale a resume continues from (a fresh one would start at its
-    initial scale and skip steps on overflow until it had backed off again)."""
+    initial scale and skip steps on overflow until it had backed off again). ``data_cursor``: where the next
+    records are read (:func:`take_records`)."""
     with atomic_folder(out_dir / CHECKPOINT, overwrite=True) as tmp:
         drafter.save_pretrained(tmp)
         optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
         state = {"step": step, "config": asdict(config), "data": data_id, "optimizer": optimizer_meta, "log": log}
         if scaler is not None:
             state["scaler"] = scaler.state_dict()
+        if data_cursor is not None:
+            state["data_cursor"] = data_cursor
         write_json_atomic(tmp / "trainer_state.json", state)
 
 
@@ -282,7 +287,7 @@ def train(
     dcfg = drafter.config
     validate_records(records, dcfg.vocab_size, dcfg.max_position_embeddings, dcfg.block_size)
 
-    step, log = 0, []
+    step, log, state = 0, [], {}
     ckpt = out / CHECKPOINT
     if accelerator.is_main_process:
         recover_folder(ckpt)  # a save cut between its two renames left the last checkpoint under its old name
@@ -352,13 +357,22 @@ def train(
     lengths = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in records]
 
     @functools.lru_cache(maxsize=1)  # an epoch's order is drawn once, not at every step
-    def order_of(epoch: int) -> list[int]:
-        return epoch_order(lengths, per_step, config.seed + epoch, config.group_by_length)
+    def order_of(epoch: int, order_per_step: int) -> list[int]:
+        return epoch_order(lengths, order_per_step, config.seed + epoch, config.group_by_length)
+
+    # Where the data stands, saved with each checkpoint: a resume under another process count (the move to GPUs)
+    # goes on reading the same epoch order where it stopped. A checkpoint from before it was saved is placed by
+    # its step, as it was read.
+    cursor = state.get("data_cursor") if step else None
+    if cursor is None:
+        epoch, micro_steps = divmod(step * config.grad_accum, steps_per_epoch)
+        cursor = {"epoch": epoch, "offset": micro_steps * per_step, "order_per_step": per_step}
 
     def batch_for(step_idx: int, micro: int):
-        epoch, offset = divmod(step_idx * config.grad_accum + micro, steps_per_epoch)
-        order = order_of(epoch)
-        start = offset * per_step + accelerator.process_index * config.batch_size
+        nonlocal cursor
+        at, cursor = take_records(cursor, per_step, len(records))
+        order = order_of(at["epoch"], at["order_per_step"])
+        start = at["offset"] + accelerator.process_index * config.batch_size
         chosen = [records[int(i)] for i in order[start : start + config.batch_size]]
         gen = torch.Generator().manual_seed(hash((config.seed, step_idx, micro, accelerator.process_index)) % 2**63)
         return make_batch(chosen, dcfg.block_size, config.num_blocks, pad_id, fill_id, gen, max_ar_positions)
@@ -419,7 +433,7 @@ def train(
         log.append(metrics)
         if accelerator.is_main_process and (step % config.save_every == 0 or step == config.max_steps):
             save_checkpoint(
-                out, accelerator.unwrap_model(model), optimizer, step, config, log, data_id, accelerator.scaler
+                out, accelerator.unwrap_model(model), optimizer, step, config, log, data_id, accelerator.scaler, cursor
             )
         accelerator.wait_for_everyone()
     bar.close()
@@ -449,6 +463,15 @@ def epoch_order(lengths: list[int], per_step: int, seed: int, group_by_length: b
     if group_by_length:
         return get_length_grouped_indices(lengths, per_step, generator=generator)
     return torch.randperm(len(lengths), generator=generator).tolist()
+
+
+def take_records(cursor: dict, per_step: int, num_records: int) -> tuple[dict, dict]:
+    """Where the next ``per_step`` records are read (``epoch``, ``offset`` into its order, and the ``order_per_step``
+    the order was drawn for), and the cursor after them. An epoch's order is read to its end even when a resume
+    changes ``per_step`` (another process count); a remainder shorter than a step is left out."""
+    if cursor["offset"] + per_step > num_records:
+        cursor = {"epoch": cursor["epoch"] + 1, "offset": 0, "order_per_step": per_step}
+    return cursor, {**cursor, "offset": cursor["offset"] + per_step}
 
 
 def epochs_to_steps(num_records: int, epochs: float, batch_size: int, grad_accum: int, num_processes: int = 1) -> int:
