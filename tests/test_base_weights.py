@@ -175,3 +175,25 @@ def test_a_pruned_whole_lm_drafter_still_fetches_its_remaining_layers(tmp_path):
         loaded = D3DDrafterModel.from_pretrained(tmp_path / "pruned")
     for name, tensor in pruned.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_adapters_only_checkpoints_hold_the_adapters_and_resume_the_same(tmp_path, monkeypatch):
+    """A checkpoint of adapters-only training leaves the unchanged base out (an 8B base would be GBs every
+    --save-every steps); the resume fetches it and ends where an uninterrupted run does."""
+    import copy
+
+    from test_training import train_until_first_checkpoint
+
+    from hf_d3d.train.trainer import TrainConfig, train
+
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    records = [{"prompt_ids": [5, 6, 7 + i], "response_ids": [8 + i, 9, 10, 11, 12, 13, 3]} for i in range(8)]
+    cfg = TrainConfig(max_steps=4, batch_size=4, lr=1e-2, warmup_steps=1, save_every=2, adapters_only=True)
+    straight = D3DDrafterModel.from_pretrained(train(copy.deepcopy(drafter), records, tmp_path / "a", cfg))
+    train_until_first_checkpoint(monkeypatch, copy.deepcopy(drafter), records, tmp_path / "b", cfg)
+    with safe_open(tmp_path / "b" / "checkpoint" / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    assert stored and all("block_adapters" in k or k == "model.mask_embedding" for k in stored)
+    resumed = D3DDrafterModel.from_pretrained(train(copy.deepcopy(drafter), records, tmp_path / "b", cfg))
+    for name, value in straight.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -240,6 +240,14 @@ def check_resume(
         )
 
 
+def _local_base(ckpt: Path) -> dict:
+    """``base_model=`` for loading ``ckpt``: the embedded default target's local copy, which the Hub id names."""
+    from hf_d3d.targets import resolve_target
+
+    base = json.loads((ckpt / "config.json").read_text()).get("base_model")
+    return {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
+
+
 def save_checkpoint(
     out_dir: Path,
     drafter: PreTrainedModel,
@@ -256,8 +264,11 @@ def save_checkpoint(
     ``scaler``: fp16 training's loss scaler, whose scale a resume continues from (a fresh one would start at its
     initial scale and skip steps on overflow until it had backed off again). ``data_cursor``: where the next
     records are read (:func:`take_records`)."""
+    # Adapters-only training leaves the base LM as it was: a checkpoint stores what trains (MBs, not the GBs of a
+    # large LM every --save-every steps), and a resume fetches the base again, as loading the result does.
+    omit = config.adapters_only and bool(drafter.config.base_model) and drafter.base_unchanged()
     with atomic_folder(out_dir / CHECKPOINT, overwrite=True) as tmp:
-        drafter.save_pretrained(tmp)
+        drafter.save_pretrained(tmp, omit_base_weights=omit)
         optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
         state = {"step": step, "config": asdict(config), "data": data_id, "optimizer": optimizer_meta, "log": log}
         if scaler is not None:
@@ -295,7 +306,7 @@ def train(
     data_id = data_fingerprint(records)
     if (ckpt / "trainer_state.json").is_file():
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        resumed = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype)
+        resumed = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype, **_local_base(ckpt))
         check_resume(state, config, data_id, dcfg, resumed.config, ckpt)
         drafter, dcfg = resumed, resumed.config
         step, log = state["step"], state["log"]
