@@ -728,3 +728,25 @@ def test_data_of_another_target_is_refused_before_training(toy_data, tmp_path, m
         capsys.readouterr().err
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_steps_log_is_the_mean_of_its_micro_batches_and_processes():
+    """With gradient accumulation or several processes the log describes the step, not one process's last batch."""
+    from types import SimpleNamespace
+
+    from hf_d3d.train.trainer import step_metrics
+
+    one = SimpleNamespace(num_processes=1)
+    micro = [
+        {"loss": 2.0, "denoise": 2.0, "slot0_acc": 0.5, "ar": 1.0},
+        {"loss": 4.0, "denoise": 3.0, "slot0_acc": 1.0},
+    ]
+    assert step_metrics(micro, one) == {"loss": 3.0, "denoise": 2.5, "slot0_acc": 0.75, "ar": 1.0}
+    other = torch.tensor([5.0, 4.5, 0.25])  # the other process's loss, denoise, slot0_acc
+
+    def reduce(tensor, op):
+        assert op == "mean"
+        return (tensor + other) / 2
+
+    two = SimpleNamespace(num_processes=2, device=torch.device("cpu"), reduce=reduce)
+    assert step_metrics(micro, two) == {"loss": 4.0, "denoise": 3.5, "slot0_acc": 0.5, "ar": 1.0}

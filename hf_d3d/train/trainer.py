@@ -398,7 +398,7 @@ def train(
     # Wall seconds of the whole run, summed over resumes, so a log says what each step cost on its hardware.
     elapsed, started = (log[-1].get("elapsed_s", 0.0) if log else 0.0), time.perf_counter()
     while step < config.max_steps:
-        metrics = {}
+        micro_metrics = []
         for micro in range(config.grad_accum):
             batch = batch_for(step, micro)
             batch.input_ids = batch.input_ids.to(accelerator.device)
@@ -424,6 +424,8 @@ def train(
                 if accelerator.sync_gradients:
                     scheduler.step()
                 optimizer.zero_grad()
+            micro_metrics.append(metrics)
+        metrics = step_metrics(micro_metrics, accelerator)
         step += 1
         metrics["step"], metrics["lr"] = step, scheduler.get_last_lr()[0]
         metrics["elapsed_s"] = round(elapsed + time.perf_counter() - started, 2)
@@ -474,6 +476,18 @@ def epoch_order(lengths: list[int], per_step: int, seed: int, group_by_length: b
     if group_by_length:
         return get_length_grouped_indices(lengths, per_step, generator=generator)
     return torch.randperm(len(lengths), generator=generator).tolist()
+
+
+def step_metrics(micro_metrics: list[dict], accelerator: Accelerator) -> dict:
+    """A step's logged metrics: the mean over its micro-batches and, for the metrics every batch has, over the
+    processes (one reduce per step), so the log describes the whole step rather than one process's last batch."""
+    keys = {k for m in micro_metrics for k in m}
+    mean = {k: sum(m[k] for m in micro_metrics if k in m) / sum(k in m for m in micro_metrics) for k in sorted(keys)}
+    if accelerator.num_processes > 1:
+        shared = [k for k in ("loss", "denoise", "slot0_acc") if k in mean]
+        values = accelerator.reduce(torch.tensor([mean[k] for k in shared], device=accelerator.device), "mean")
+        mean.update(zip(shared, values.tolist()))
+    return mean
 
 
 def take_records(cursor: dict, per_step: int, num_records: int) -> tuple[dict, dict]:
