@@ -98,7 +98,13 @@ def _cmd_train(args: argparse.Namespace) -> None:
 
     if args.widen_block_adapters is not None and not args.init_from:
         raise ValueError("--widen-block-adapters widens the adapters of an --init-from drafter")
-    records = load_records(*args.data, target=args.target or DEFAULT_TARGET)
+    from transformers import AutoTokenizer
+
+    from hf_d3d.targets import resolve_target
+
+    # the tokenizer alone, so that data of another one fails in seconds, before any model loads
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(resolve_target(args.target)))
+    records = load_records(*args.data, target=args.target or DEFAULT_TARGET, tokenizer_fingerprint=fingerprint)
     # The settings are checked (TrainConfig) before the models load, so a bad one fails in seconds.
     # A sharded launch is refused here, before any model loads (accelerate decides FSDP only in the Accelerator).
     for sharding in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
@@ -436,16 +442,19 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
 
 
 def _cmd_prune(args: argparse.Namespace) -> None:
-    from hf_d3d.checks import check_pair
+    from transformers import AutoTokenizer
+
+    from hf_d3d.checks import check_pair, tokenizer_fingerprint
     from hf_d3d.prompts import load_prompts
     from hf_d3d.prune import judge_answers, make_healer, prune, teacher_forced_judge
-    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target, resolve_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
     from hf_d3d.train.trainer import TrainConfig
 
     if bool(args.heal_data) != bool(args.heal_steps):
         raise SystemExit("--heal-steps and --heal-data go together (the fine-tune needs both its length and its data)")
     data_for = args.target or DEFAULT_TARGET  # the model any distilled data given must come from
+    fingerprint = tokenizer_fingerprint(AutoTokenizer.from_pretrained(resolve_target(args.target)))
     heal, heal_records = None, None
     if args.heal_steps:
         heal_config = TrainConfig(
@@ -456,14 +465,14 @@ def _cmd_prune(args: argparse.Namespace) -> None:
             mixed_precision=args.mixed_precision,
             save_every=100,
         )
-        heal_records = load_records(*args.heal_data, target=data_for)
+        heal_records = load_records(*args.heal_data, target=data_for, tokenizer_fingerprint=fingerprint)
         heal = make_healer(heal_records, Path(args.out), heal_config)
     target, tokenizer = load_target(args.target)
     drafter = load_drafter(args.drafter)
     check_pair(target, drafter, tokenizer)
     judge, ids = None, []
     if args.judge_data:  # rank layers by teacher-forced tau on the target's answers (no target forwards)
-        records = load_records(*args.judge_data, target=data_for)
+        records = load_records(*args.judge_data, target=data_for, tokenizer_fingerprint=fingerprint)
         judge = teacher_forced_judge(judge_answers(records, args.judge_records))
     else:
         ids = [chat_prompt_ids(tokenizer, p) for p in load_prompts(args.prompts, args.field, args.num_prompts)]

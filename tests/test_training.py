@@ -750,3 +750,29 @@ def test_a_steps_log_is_the_mean_of_its_micro_batches_and_processes():
 
     two = SimpleNamespace(num_processes=2, device=torch.device("cpu"), reduce=reduce)
     assert step_metrics(micro, two) == {"loss": 4.0, "denoise": 3.5, "slot0_acc": 0.5, "ar": 1.0}
+
+
+def test_data_of_another_tokenizer_is_refused_whatever_its_targets_name(toy, toy_data, tmp_path):
+    """Two models in folders of the same name pass the name check; the tokenizer's fingerprint, recorded by
+    distill and kept by pack-data, tells them apart."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_d3d.checks import tokenizer_fingerprint
+    from hf_d3d.train.distill import pack_run
+    from hf_d3d.train.token_file import write_token_file
+
+    target, prompts = toy
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token="3")
+    run = distill(target, tokenizer, prompts[:3], tmp_path / "run", DistillConfig(max_new_tokens=8, batch_size=3))
+    mine = tokenizer_fingerprint(tokenizer)
+    packed = pack_run(run, tmp_path / "run.safetensors", VOCAB)
+    for source in (run, packed):
+        assert load_records(source, tokenizer_fingerprint=mine)
+        with pytest.raises(ValueError, match="another tokenizer"):
+            load_records(source, target="model", tokenizer_fingerprint="0123456789abcdef")
+    # data written before the fingerprint was recorded is checked by the model's name alone
+    old = write_token_file(toy_data, tmp_path / "old.safetensors", VOCAB, {"target": "tiny", "source": "toy"})
+    assert load_records(old, tokenizer_fingerprint="0123456789abcdef") == load_records(old)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_d3d.atomic import write_json_atomic
+from hf_d3d.checks import tokenizer_fingerprint as fingerprint_of
 
 RECORDS = "records.jsonl"
 META = "meta.json"
@@ -88,10 +89,15 @@ def _read_done(records: Path, encoded: list[list[int]]) -> set[int]:
     return done
 
 
-def load_records(*sources: str | Path, target: str | None = None) -> list[dict]:
+def load_records(
+    *sources: str | Path, target: str | None = None, tokenizer_fingerprint: str | None = None
+) -> list[dict]:
     """Read finished distillation folders or token files (``hf-d3d pack-data``) in order; an unfinished folder or
     a corrupt file is a clear error. ``target`` (a Hub id or folder): the model the data is for; data distilled
     from a differently named model is refused (their tokenizers may map the same ids to other text).
+    ``tokenizer_fingerprint`` (:func:`hf_d3d.checks.tokenizer_fingerprint` of the target's tokenizer): data whose
+    provenance records another tokenizer is refused, whatever the model's name (data from before it was recorded
+    is checked by name alone).
 
     One answer never counts twice: a greedy answer to a prompt that already has one is dropped (it is the same
     answer, up to batch numerics), and so is any answer read before. A sampled source (``do_sample`` in its
@@ -128,6 +134,12 @@ def load_records(*sources: str | Path, target: str | None = None) -> list[dict]:
             raise ValueError(
                 f"{source} was distilled from {name!r}, but the drafter is for {target!r}: pass --target naming the "
                 "model that wrote the data, or distil this target's own answers"
+            )
+        written_with = provenance.get("tokenizer_fingerprint")
+        if tokenizer_fingerprint and written_with and written_with != tokenizer_fingerprint:
+            raise ValueError(
+                f"{source} was written with another tokenizer (fingerprint {written_with}) than the target's "
+                f"({tokenizer_fingerprint}): its token ids would mean other text to this drafter"
             )
         for record in batch:
             prompt, answer = tuple(record["prompt_ids"]), tuple(record["response_ids"])
@@ -358,6 +370,7 @@ def distill(
         out / META,
         {
             "target": target if isinstance(target, str) else getattr(model_config, "name_or_path", ""),
+            "tokenizer_fingerprint": fingerprint_of(tokenizer) if hasattr(tokenizer, "get_vocab") else None,
             "backend": backend,
             "source": source,
             "num_prompts": len(prompts),
