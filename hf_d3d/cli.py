@@ -411,6 +411,8 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         drafter.config.round_cost = None
         mode += " --fixed-length"
     label = f" (async, {drafter.config.num_hypotheses} hypotheses)" if args.async_drafting else ""
+    if args.drafter_dtype != "auto":  # a row of its own: the card's rows are the drafter as it loads
+        label += f" ({args.drafter_dtype})"
     if args.fixed_length:
         label += f" ({drafter.generation_config.num_assistant_tokens} tokens every round)"
     rows = []

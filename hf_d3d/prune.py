@@ -290,7 +290,9 @@ def prune(
         state["removed"]
     )
     if same and (model_dir / "config.json").is_file():
-        pruned.config.round_cost = json.loads((model_dir / "config.json").read_text()).get("round_cost")
+        measured = json.loads((model_dir / "config.json").read_text()).get("round_cost")
+        # the unpruned drafter's own costs, which older versions copied in, are not a measurement of this one
+        pruned.config.round_cost = measured if measured != drafter.config.round_cost else None
     with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
         # unhealed or healed in its adapters alone, its layers are still the base LM's own: store what training
         # changed, as the drafter was

@@ -178,22 +178,53 @@ def test_a_pruned_whole_lm_drafter_still_fetches_its_remaining_layers(tmp_path):
 
 
 def test_adapters_only_checkpoints_hold_the_adapters_and_resume_the_same(tmp_path, monkeypatch):
-    """A checkpoint of adapters-only training leaves the unchanged base out (an 8B base would be GBs every
-    --save-every steps); the resume fetches it and ends where an uninterrupted run does."""
+    """A checkpoint of adapters-only training leaves out a base that a resume can fetch again (an 8B base would be
+    GBs every --save-every steps); the resume ends where an uninterrupted run does, and refuses a base that has
+    changed since. A base in a folder of this machine stays in the checkpoint, which may move to another."""
     import copy
 
     from test_training import train_until_first_checkpoint
 
+    from hf_d3d.train import trainer
     from hf_d3d.train.trainer import TrainConfig, train
 
-    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    lm, drafter = _adapter_drafter("llama", tmp_path / "base")
     records = [{"prompt_ids": [5, 6, 7 + i], "response_ids": [8 + i, 9, 10, 11, 12, 13, 3]} for i in range(8)]
     cfg = TrainConfig(max_steps=4, batch_size=4, lr=1e-2, warmup_steps=1, save_every=2, adapters_only=True)
+
+    def stored(run):
+        with safe_open(tmp_path / run / "checkpoint" / "model.safetensors", "pt") as f:
+            return set(f.keys())
+
     straight = D3DDrafterModel.from_pretrained(train(copy.deepcopy(drafter), records, tmp_path / "a", cfg))
+    assert "model.embed_tokens.weight" in stored("a")  # its base is a folder here
+    monkeypatch.setattr(trainer, "base_refetchable", lambda *a: True)  # as for a Hub id in the cache
     train_until_first_checkpoint(monkeypatch, copy.deepcopy(drafter), records, tmp_path / "b", cfg)
-    with safe_open(tmp_path / "b" / "checkpoint" / "model.safetensors", "pt") as f:
-        stored = set(f.keys())
-    assert stored and all("block_adapters" in k or k == "model.mask_embedding" for k in stored)
+    assert stored("b") and all("block_adapters" in k or k == "model.mask_embedding" for k in stored("b"))
     resumed = D3DDrafterModel.from_pretrained(train(copy.deepcopy(drafter), records, tmp_path / "b", cfg))
     for name, value in straight.state_dict().items():
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    train_until_first_checkpoint(monkeypatch, copy.deepcopy(drafter), records, tmp_path / "c", cfg)
+    with torch.no_grad():
+        lm.model.layers[0].mlp.up_proj.weight.mul_(1.0001)  # the base moved on (a new revision on the Hub)
+    lm.save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match="other weights than the run trained over"):
+        train(copy.deepcopy(drafter), records, tmp_path / "c", cfg)
+
+
+def test_which_bases_a_resume_can_fetch_again(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_d3d.targets import DEFAULT_TARGET
+    from hf_d3d.train.trainer import TrainConfig, base_refetchable
+
+    def drafter(base, unchanged=True):
+        return SimpleNamespace(config=SimpleNamespace(base_model=base), base_unchanged=lambda: unchanged)
+
+    adapters = TrainConfig(adapters_only=True)
+    assert base_refetchable(drafter(DEFAULT_TARGET), adapters)  # embedded: every machine that installs us has it
+    assert not base_refetchable(drafter(DEFAULT_TARGET), TrainConfig())  # the base trains too
+    assert not base_refetchable(drafter(DEFAULT_TARGET, unchanged=False), adapters)
+    assert not base_refetchable(drafter(str(tmp_path)), adapters)  # a folder of this machine
+    assert not base_refetchable(drafter("org/never-downloaded"), adapters)
+    assert not base_refetchable(drafter(None), adapters)

@@ -69,6 +69,13 @@ def test_prune_resumes_from_its_state(trained, tmp_path):
     assert again["steps"] == report["steps"] == state["steps"]
     assert (tmp_path / "model" / "d3d_metrics.json").read_text() == '{"rows": []}'
     assert D3DDrafterModel.from_pretrained(tmp_path / "model").config.round_cost == {"cpu": [1.1, 1.2]}
+    # but not the unpruned drafter's own costs, which older versions copied in
+    drafter.config.round_cost = {"cpu": [1.1, 1.2]}
+    try:
+        prune(target, drafter, prompts, tmp_path, target_depth=2, max_new_tokens=24)
+    finally:
+        drafter.config.round_cost = None
+    assert D3DDrafterModel.from_pretrained(tmp_path / "model").config.round_cost is None
 
 
 def test_a_saved_pruning_is_resumed_only_for_its_drafter_and_settings(trained, heal_records, tmp_path):

@@ -248,6 +248,24 @@ def _local_base(ckpt: Path) -> dict:
     return {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
 
 
+def base_refetchable(drafter: PreTrainedModel, config: TrainConfig) -> bool:
+    """Whether checkpoints may leave the base LM out: adapters-only training over an unchanged base that a resume,
+    here or on another machine, fetches again (the embedded default target, or a Hub id in the local cache; not a
+    folder of this machine, nor a Hub id this machine could not fetch)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from hf_d3d.targets import resolve_target
+
+    base = drafter.config.base_model
+    if not (config.adapters_only and base and drafter.base_unchanged()):
+        return False
+    if resolve_target(base) != base:
+        return True
+    if Path(base).exists() or base.count("/") != 1:
+        return False
+    return isinstance(try_to_load_from_cache(base, "config.json"), str)
+
+
 def save_checkpoint(
     out_dir: Path,
     drafter: PreTrainedModel,
@@ -258,23 +276,25 @@ def save_checkpoint(
     data_id: str | None = None,
     scaler: torch.amp.GradScaler | None = None,
     data_cursor: dict | None = None,
+    base_checksum: float | None = None,
 ) -> None:
     """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in.
 
     ``scaler``: fp16 training's loss scaler, whose scale a resume continues from (a fresh one would start at its
     initial scale and skip steps on overflow until it had backed off again). ``data_cursor``: where the next
-    records are read (:func:`take_records`)."""
-    # Adapters-only training leaves the base LM as it was: a checkpoint stores what trains (MBs, not the GBs of a
-    # large LM every --save-every steps), and a resume fetches the base again, as loading the result does.
-    omit = config.adapters_only and bool(drafter.config.base_model) and drafter.base_unchanged()
+    records are read (:func:`take_records`). ``base_checksum``: given where :func:`base_refetchable` holds, the
+    checkpoint stores what trains and not the base LM (MBs, not the GBs of a large LM every --save-every steps),
+    and a resume checks that the base it fetches again is this one."""
     with atomic_folder(out_dir / CHECKPOINT, overwrite=True) as tmp:
-        drafter.save_pretrained(tmp, omit_base_weights=omit)
+        drafter.save_pretrained(tmp, omit_base_weights=base_checksum is not None)
         optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
         state = {"step": step, "config": asdict(config), "data": data_id, "optimizer": optimizer_meta, "log": log}
         if scaler is not None:
             state["scaler"] = scaler.state_dict()
         if data_cursor is not None:
             state["data_cursor"] = data_cursor
+        if base_checksum is not None:
+            state["base_checksum"] = base_checksum
         write_json_atomic(tmp / "trainer_state.json", state)
 
 
@@ -307,6 +327,13 @@ def train(
     if (ckpt / "trainer_state.json").is_file():
         state = json.loads((ckpt / "trainer_state.json").read_text())
         resumed = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype, **_local_base(ckpt))
+        want = state.get("base_checksum")
+        if want is not None and abs(resumed.base_checksum() - want) > 1e-9 * abs(want):
+            raise ValueError(
+                f"{ckpt} stores the adapters alone, and the base LM fetched to resume it "
+                f"({resumed.config.base_model!r}) has other weights than the run trained over (checksum "
+                f"{resumed.base_checksum():.12g}, expected {want:.12g}): resume where that base is, or train anew"
+            )
         check_resume(state, config, data_id, dcfg, resumed.config, ckpt)
         drafter, dcfg = resumed, resumed.config
         step, log = state["step"], state["log"]
@@ -333,6 +360,8 @@ def train(
             raise ValueError("kd_weight needs the target, to check that the soft labels are its own")
         check_teacher(drafter, target, records[0]["prompt_ids"] + records[0]["response_ids"])
     params = [p for p in drafter.parameters() if p.requires_grad]
+    # the frozen base's checksum, taken once: checkpoints leave that base out where a resume can fetch it again
+    base_sum = drafter.base_checksum() if accelerator.is_main_process and base_refetchable(drafter, config) else None
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     if step:
         _load_optimizer(optimizer, ckpt / "optimizer.safetensors", state["optimizer"])
@@ -446,7 +475,16 @@ def train(
         log.append(metrics)
         if accelerator.is_main_process and (step % config.save_every == 0 or step == config.max_steps):
             save_checkpoint(
-                out, accelerator.unwrap_model(model), optimizer, step, config, log, data_id, accelerator.scaler, cursor
+                out,
+                accelerator.unwrap_model(model),
+                optimizer,
+                step,
+                config,
+                log,
+                data_id,
+                accelerator.scaler,
+                cursor,
+                base_sum,
             )
         accelerator.wait_for_everyone()
     bar.close()
