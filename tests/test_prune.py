@@ -65,7 +65,11 @@ def test_prune_resumes_from_its_state(trained, tmp_path):
     (tmp_path / "model" / "d3d_metrics.json").write_text('{"rows": []}')
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "round_cost": {"cpu": [1.1, 1.2]}}))
-    again = prune(target, drafter, prompts, tmp_path, target_depth=2, max_new_tokens=24)  # nothing left to do
+
+    def judged_again(model, skip):
+        pytest.fail("a finished step was judged again")
+
+    again = prune(target, drafter, prompts, tmp_path, target_depth=2, max_new_tokens=24, judge=judged_again)
     assert again["steps"] == report["steps"] == state["steps"]
     assert (tmp_path / "model" / "d3d_metrics.json").read_text() == '{"rows": []}'
     assert D3DDrafterModel.from_pretrained(tmp_path / "model").config.round_cost == {"cpu": [1.1, 1.2]}
