@@ -776,3 +776,26 @@ def test_data_of_another_tokenizer_is_refused_whatever_its_targets_name(toy, toy
     # data written before the fingerprint was recorded is checked by the model's name alone
     old = write_token_file(toy_data, tmp_path / "old.safetensors", VOCAB, {"target": "tiny", "source": "toy"})
     assert load_records(old, tokenizer_fingerprint="0123456789abcdef") == load_records(old)
+
+
+def test_a_resume_with_other_steps_says_how_the_learning_rate_moves(toy, toy_data, tmp_path, monkeypatch, capsys):
+    """Resuming with another --steps is allowed (a run cut short, or lengthened) and stretches the schedule: said."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    from hf_d3d.train.trainer import cosine_lr_factor
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = get_cosine_schedule_with_warmup(optimizer, 2, 10)
+    for step in range(11):
+        assert cosine_lr_factor(step, 2, 10) == pytest.approx(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    target, _ = toy
+    cfg = TrainConfig(max_steps=6, batch_size=4, lr=1e-3, warmup_steps=2, save_every=3, eval_every=1000)
+    train_until_first_checkpoint(monkeypatch, make_drafter(target, block_size=4), toy_data, tmp_path, cfg)
+    capsys.readouterr()
+    train(make_drafter(target, block_size=4), toy_data, tmp_path, replace(cfg, max_steps=12))
+    said = capsys.readouterr().out
+    lr_then, lr_now = (cosine_lr_factor(3, 2, n) * 1e-3 for n in (6, 12))
+    assert "resuming at step 3 with --steps 12 (the run was started with 6)" in said
+    assert f"goes from {lr_then:.3g} to {lr_now:.3g}" in said and lr_now > lr_then

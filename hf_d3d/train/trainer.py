@@ -337,6 +337,16 @@ def train(
         check_resume(state, config, data_id, dcfg, resumed.config, ckpt)
         drafter, dcfg = resumed, resumed.config
         step, log = state["step"], state["log"]
+        before = state.get("config", {}).get("max_steps")
+        if accelerator.is_main_process and before not in (None, config.max_steps):  # allowed, and never silent
+            lr_then, lr_now = (
+                cosine_lr_factor(step, config.warmup_steps, n) * config.lr for n in (before, config.max_steps)
+            )
+            print(
+                f"resuming at step {step} with --steps {config.max_steps} (the run was started with {before}): the "
+                f"cosine schedule is now {config.max_steps} steps long, so the learning rate goes from "
+                f"{lr_then:.3g} to {lr_now:.3g}"
+            )
     if config.adapters_only:
         if not dcfg.block_adapter_rank:
             raise ValueError("adapters_only needs a drafter with block adapters (block_adapter_rank > 0)")
@@ -526,6 +536,14 @@ def step_metrics(micro_metrics: list[dict], accelerator: Accelerator) -> dict:
         values = accelerator.reduce(torch.tensor([mean[k] for k in shared], device=accelerator.device), "mean")
         mean.update(zip(shared, values.tolist()))
     return mean
+
+
+def cosine_lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
+    """The factor of the peak learning rate at ``step`` under transformers' cosine schedule with warmup."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def take_records(cursor: dict, per_step: int, num_records: int) -> tuple[dict, dict]:
