@@ -52,7 +52,8 @@ def drop_layers(drafter: D3DDrafterModel, remove: list[int]) -> D3DDrafterModel:
         raise ValueError("cannot remove every layer")
     config = copy.deepcopy(drafter.config)
     config.num_hidden_layers = len(keep)
-    config.round_cost = None  # measured for the old depth
+    if remove:
+        config.round_cost = None  # measured for the old depth
     source_ids = drafter.config.target_layer_ids or list(range(drafter.config.num_hidden_layers))
     config.target_layer_ids = [source_ids[i] for i in keep]
     if config.block_adapter_layers is not None:
@@ -291,8 +292,9 @@ def prune(
     )
     if same and (model_dir / "config.json").is_file():
         measured = json.loads((model_dir / "config.json").read_text()).get("round_cost")
-        # the unpruned drafter's own costs, which older versions copied in, are not a measurement of this one
-        pruned.config.round_cost = measured if measured != drafter.config.round_cost else None
+        # once layers are gone, the unpruned drafter's own costs (which older versions copied in) are not this one's
+        stale = state["removed"] and measured == drafter.config.round_cost
+        pruned.config.round_cost = None if stale else measured
     with atomic_folder(model_dir, overwrite=True) as tmp:  # a resumed run rewrites it whole
         # unhealed or healed in its adapters alone, its layers are still the base LM's own: store what training
         # changed, as the drafter was

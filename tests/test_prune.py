@@ -251,6 +251,7 @@ def test_grown_drafter_drafts_like_the_original_and_prunes_back_to_it(trained):
     torch.testing.assert_close(drop_layers(grown, [1]).state_dict(), small.state_dict())
     grown.config.round_cost = {"cpu": [1.2, 1.4]}
     assert drop_layers(grown, [1]).config.round_cost is None  # measured for the old depth
+    assert drop_layers(grown, []).config.round_cost == {"cpu": [1.2, 1.4]}  # nothing removed: still its own
     grown.train()
     grown(x).logits.float().logsumexp(-1).sum().backward()
     assert added.self_attn.o_proj.weight.grad.abs().sum() > 0  # training can move the identity

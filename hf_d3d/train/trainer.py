@@ -1,10 +1,11 @@
 """Train a D3D drafter on distillation records with accelerate (one CPU/GPU, or `accelerate launch` on many).
 
 Checkpoints are folders written beside their final name and renamed into place: ``checkpoint/`` holds the drafter
-(``save_pretrained``), ``optimizer.safetensors`` and ``trainer_state.json``; no pickle anywhere, so resuming never
-unpickles a file. The data order depends only on the seed and the block anchors on (seed, step), so a resumed run
-draws exactly the batches the interrupted one would have; resumed under more processes, it reads on from where
-the data stood.
+(``save_pretrained``; without the base LM where adapters alone train over a base a resume can fetch again),
+``optimizer.safetensors`` and ``trainer_state.json``; no pickle anywhere, so resuming never unpickles a file. The
+data order depends on the seed (and, grouped by length, on the step size it was drawn for, which the checkpoint
+records) and the block anchors on (seed, step), so a resumed run draws exactly the batches the interrupted one
+would have; resumed under more processes, it reads on from where the data stood.
 """
 
 from __future__ import annotations
@@ -518,7 +519,7 @@ def save_final(drafter: PreTrainedModel, folder: Path, config: TrainConfig, log:
 
 
 def epoch_order(lengths: list[int], per_step: int, seed: int, group_by_length: bool = False) -> list[int]:
-    """The order in which one epoch reads the records, from ``seed`` alone (so a resumed run reads the same).
+    """The order in which one epoch reads the records, from ``seed`` and ``per_step`` (so a resumed run reads the same).
     ``group_by_length``: every ``per_step`` consecutive records have similar lengths."""
     generator = torch.Generator().manual_seed(seed)
     if group_by_length:
@@ -527,8 +528,9 @@ def epoch_order(lengths: list[int], per_step: int, seed: int, group_by_length: b
 
 
 def step_metrics(micro_metrics: list[dict], accelerator: Accelerator) -> dict:
-    """A step's logged metrics: the mean over its micro-batches and, for the metrics every batch has, over the
-    processes (one reduce per step), so the log describes the whole step rather than one process's last batch."""
+    """A step's logged metrics: the mean over its micro-batches, and ``loss``, ``denoise`` and ``slot0_acc`` also
+    over the processes (one reduce per step; ``ar`` and ``kd`` are the main process's), so the log describes the
+    whole step rather than one process's last batch."""
     keys = {k for m in micro_metrics for k in m}
     mean = {k: sum(m[k] for m in micro_metrics if k in m) / sum(k in m for m in micro_metrics) for k in sorted(keys)}
     if accelerator.num_processes > 1:
