@@ -25,11 +25,11 @@ from transformers import PreTrainedModel
 from hf_d3d.atomic import atomic_folder, save_figure, write_json_atomic
 from hf_d3d.evaluate import measure_tau, teacher_forced_tau
 from hf_d3d.modeling.modeling_d3d import D3DDrafterModel, _layer_state
+from hf_d3d.publish import METRICS
 from hf_d3d.train.trainer import FINAL, RUN_LOGISTICS, TrainConfig, data_fingerprint, train
 
 STATE = "prune_state.json"
 REPORT = "prune_report.json"
-METRICS = "d3d_metrics.json"  # as hf_d3d.publish names it
 
 
 def _renumber_layers(state: dict[str, torch.Tensor], index: dict[int, int]) -> dict[str, torch.Tensor]:

@@ -241,14 +241,6 @@ def check_resume(
         )
 
 
-def _local_base(ckpt: Path) -> dict:
-    """``base_model=`` for loading ``ckpt``: the embedded default target's local copy, which the Hub id names."""
-    from hf_d3d.targets import resolve_target
-
-    base = json.loads((ckpt / "config.json").read_text()).get("base_model")
-    return {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
-
-
 def base_refetchable(drafter: PreTrainedModel, config: TrainConfig) -> bool:
     """Whether checkpoints may leave the base LM out: adapters-only training over an unchanged base that a resume,
     here or on another machine, fetches again (the embedded default target, or a Hub id in the local cache; not a
@@ -327,13 +319,16 @@ def train(
     data_id = data_fingerprint(records)
     if (ckpt / "trainer_state.json").is_file():
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        resumed = D3DDrafterModel.from_pretrained(ckpt, dtype=drafter.dtype, **_local_base(ckpt))
+        from hf_d3d.targets import load_drafter  # fetches a base the checkpoint left out, as loading the result does
+
+        resumed = load_drafter(str(ckpt), dtype=drafter.dtype)
         want = state.get("base_checksum")
-        if want is not None and abs(resumed.base_checksum() - want) > 1e-9 * abs(want):
+        have = resumed.base_checksum() if want is not None else None
+        if want is not None and abs(have - want) > 1e-9 * abs(want):
             raise ValueError(
                 f"{ckpt} stores the adapters alone, and the base LM fetched to resume it "
                 f"({resumed.config.base_model!r}) has other weights than the run trained over (checksum "
-                f"{resumed.base_checksum():.12g}, expected {want:.12g}): resume where that base is, or train anew"
+                f"{have:.12g}, expected {want:.12g}): resume where that base is, or train anew"
             )
         check_resume(state, config, data_id, dcfg, resumed.config, ckpt)
         drafter, dcfg = resumed, resumed.config
