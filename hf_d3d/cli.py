@@ -79,7 +79,16 @@ def _cmd_pack_data(args: argparse.Namespace) -> None:
     unfinished = [f for f in args.data if not (Path(f) / META).is_file()]
     if unfinished:  # before any file is written
         raise FileNotFoundError(f"not finished distillation runs (no {META}): {', '.join(unfinished)}")
-    vocab = AutoConfig.from_pretrained(resolve_target(args.target)).get_text_config().vocab_size
+    target = resolve_target(args.target)
+    # the vocabulary size is the named target's: data another model wrote would be stored against the wrong one
+    for folder in args.data:
+        wrote = Path(json.loads((Path(folder) / META).read_text(encoding="utf-8")).get("target") or "").name
+        if wrote and wrote.lower() != Path(target).name.lower():
+            raise ValueError(
+                f"{folder} was distilled from {wrote!r}, not from {Path(target).name!r}: pass --target naming the "
+                "model that wrote it"
+            )
+    vocab = AutoConfig.from_pretrained(target).get_text_config().vocab_size
     for folder in args.data:
         path = pack_run(folder, Path(args.out_dir) / f"{Path(folder).name}.safetensors", vocab)
         print(f"{folder} -> {path} ({path.stat().st_size / 1e6:.2f} MB)")

@@ -24,3 +24,10 @@ $D3D distill --prompts gsm8k:train --num-prompts 2000 --do-sample --temperature 
 # GSM8K train: the rest of its questions (greedy; batch 64 answers more tokens a second on 2 cores than 16)
 $D3D distill --prompts gsm8k:train --skip-prompts 5000 --num-prompts 2473 "${FP32[@]}" --batch-size 64 \
     --out "$OUT/gsm8k_train_5000"
+# GSM8K train 1000-2999: the 1,296 longest questions, which the cut-short gsm8k_train_1000 run left unanswered
+# (bf16 on a CPU with bf16 units, such as an AVX512-BF16 EPYC)
+${PYTHON:-.venv/bin/python} scripts/unanswered_prompts.py --prompts gsm8k:train --skip-prompts 1000 --num-prompts 2000 \
+    --data data/distill/SmolLM2-135M-Instruct/gsm8k_train_1000.safetensors --out "$OUT/gsm8k_train_1000_rest.jsonl"
+$D3D distill --prompts "$OUT/gsm8k_train_1000_rest.jsonl" \
+    --source-name "gsm8k:train[1000:3000], the 1,296 questions gsm8k_train_1000 does not answer" \
+    "${COMMON[@]}" --batch-size 64 --out "$OUT/gsm8k_train_1000_rest"

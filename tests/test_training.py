@@ -611,6 +611,29 @@ def test_pack_data_keeps_a_token_file_already_there(tmp_path, capsys):
     assert len(load_records(kept)) == 2
 
 
+def test_pack_data_refuses_another_targets_run(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_d3d.cli import main
+
+    target = tiny_target("llama")
+    target.config.save_pretrained(tmp_path / "target")
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token="3")
+    run = distill(target, tokenizer, ["5 6 7"], tmp_path / "gsm8k_train_0", DistillConfig(max_new_tokens=4))
+    args = ["pack-data", "--target", str(tmp_path / "target"), "--out-dir", str(tmp_path / "out"), "--data", str(run)]
+    meta = json.loads((run / "meta.json").read_text())
+    for name, rc in (("/models/Other-LM", 2), ("/elsewhere/TARGET", 0)):  # by name, case aside, as training checks
+        (run / "meta.json").write_text(json.dumps({**meta, "target": name}))
+        assert main(args) == rc
+        if rc:
+            assert "distilled from 'Other-LM', not from 'target'" in capsys.readouterr().err
+            assert not (tmp_path / "out").exists()
+    assert len(load_records(tmp_path / "out" / "gsm8k_train_0.safetensors")) == 1
+
+
 @pytest.mark.parametrize("field", ["max_steps", "batch_size", "grad_accum", "eval_every", "save_every"])
 def test_zero_counts_are_refused_before_training(field):
     # --eval-every 0 once ran into a modulo by zero after the first step's work
@@ -799,3 +822,23 @@ def test_a_resume_with_other_steps_says_how_the_learning_rate_moves(toy, toy_dat
     lr_then, lr_now = (cosine_lr_factor(3, 2, n) * 1e-3 for n in (6, 12))
     assert "resuming at step 3 with --steps 12 (the run was started with 6)" in said
     assert f"goes from {lr_then:.3g} to {lr_now:.3g}" in said and lr_now > lr_then
+
+
+def test_an_update_skipped_for_overflow_leaves_the_schedule_where_it_was(toy, toy_data, tmp_path, monkeypatch):
+    """fp16's loss scaler skips an update whose gradients overflowed; the warmup and cosine then wait for the next
+    applied update (as transformers' Trainer does), across a resume too."""
+    from accelerate import Accelerator
+
+    from hf_d3d.train.trainer import cosine_lr_factor
+
+    skipped = iter([True, True] + [False] * 10)  # the first two updates overflow, as a fresh scale's often do
+    monkeypatch.setattr(Accelerator, "optimizer_step_was_skipped", property(lambda self: next(skipped)))
+    target, _ = toy
+    cfg = TrainConfig(max_steps=6, batch_size=4, lr=1e-3, warmup_steps=2, save_every=3, eval_every=1000)
+    train_until_first_checkpoint(monkeypatch, make_drafter(target, block_size=4), toy_data, tmp_path, cfg)
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert (state["step"], state["lr_steps"]) == (3, 1)
+    train(make_drafter(target, block_size=4), toy_data, tmp_path, cfg)
+    log = json.loads((tmp_path / "final" / "training_log.json").read_text())
+    lrs = [row["lr"] for row in (log["log"] if isinstance(log, dict) else log)]
+    assert lrs == pytest.approx([cosine_lr_factor(n, 2, 6) * 1e-3 for n in (0, 0, 1, 2, 3, 4)])

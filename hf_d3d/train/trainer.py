@@ -270,6 +270,7 @@ def save_checkpoint(
     scaler: torch.amp.GradScaler | None = None,
     data_cursor: dict | None = None,
     base_checksum: float | None = None,
+    lr_steps: int | None = None,
 ) -> None:
     """Write ``out_dir/checkpoint`` atomically: build it in a temporary folder, then swap it in.
 
@@ -277,7 +278,8 @@ def save_checkpoint(
     initial scale and skip steps on overflow until it had backed off again). ``data_cursor``: where the next
     records are read (:func:`take_records`). ``base_checksum``: given where :func:`base_refetchable` holds, the
     checkpoint stores what trains and not the base LM (MBs, not the GBs of a large LM every --save-every steps),
-    and a resume checks that the base it fetches again is this one."""
+    and a resume checks that the base it fetches again is this one. ``lr_steps``: the updates applied so far, which
+    the learning-rate schedule has followed (fewer than ``step`` where fp16 overflow skipped some)."""
     with atomic_folder(out_dir / CHECKPOINT, overwrite=True) as tmp:
         drafter.save_pretrained(tmp, omit_base_weights=base_checksum is not None)
         optimizer_meta = _save_optimizer(optimizer, tmp / "optimizer.safetensors")
@@ -288,6 +290,8 @@ def save_checkpoint(
             state["data_cursor"] = data_cursor
         if base_checksum is not None:
             state["base_checksum"] = base_checksum
+        if lr_steps is not None:
+            state["lr_steps"] = lr_steps
         write_json_atomic(tmp / "trainer_state.json", state)
 
 
@@ -312,6 +316,7 @@ def train(
     validate_records(records, dcfg.vocab_size, dcfg.max_position_embeddings, dcfg.block_size)
 
     step, log, state = 0, [], {}
+    lr_steps = 0  # updates applied: an fp16 step skipped for overflow leaves the schedule where it was, as in Trainer
     ckpt = out / CHECKPOINT
     if accelerator.is_main_process:
         recover_folder(ckpt)  # a save cut between its two renames left the last checkpoint under its old name
@@ -333,10 +338,11 @@ def train(
         check_resume(state, config, data_id, dcfg, resumed.config, ckpt)
         drafter, dcfg = resumed, resumed.config
         step, log = state["step"], state["log"]
+        lr_steps = state.get("lr_steps", step)
         before = state.get("config", {}).get("max_steps")
         if accelerator.is_main_process and before not in (None, config.max_steps):  # allowed, and never silent
             lr_then, lr_now = (
-                cosine_lr_factor(step, config.warmup_steps, n) * config.lr for n in (before, config.max_steps)
+                cosine_lr_factor(lr_steps, config.warmup_steps, n) * config.lr for n in (before, config.max_steps)
             )
             print(
                 f"resuming at step {step} with --steps {config.max_steps} (the run was started with {before}): the "
@@ -373,10 +379,12 @@ def train(
         _load_optimizer(optimizer, ckpt / "optimizer.safetensors", state["optimizer"])
         if accelerator.scaler is not None and state.get("scaler"):  # absent when the run moved from bf16 or no AMP
             accelerator.scaler.load_state_dict(state["scaler"])
-    # Resuming: the schedule starts at the saved step (the loaded param groups carry its initial_lr).
-    scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup_steps, config.max_steps, last_epoch=step - 1)
+    # Resuming: the schedule starts at the updates applied so far (the loaded param groups carry its initial_lr).
+    scheduler = get_cosine_schedule_with_warmup(
+        optimizer, config.warmup_steps, config.max_steps, last_epoch=lr_steps - 1
+    )
     # The scheduler stays outside prepare(): accelerate would step it once per process, but max_steps counts
-    # optimizer steps, so it is stepped here once per synced optimizer step on every process alike.
+    # optimizer steps, so it is stepped here once per applied synced update on every process alike.
     model, optimizer = accelerator.prepare(drafter, optimizer)
     if target is not None and eval_prompts and accelerator.is_main_process:
         # The periodic eval decodes with both models, so they share a device; on a GPU the target goes in bf16, as
@@ -456,8 +464,9 @@ def train(
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, 1.0)
                 optimizer.step()
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     scheduler.step()
+                    lr_steps += 1
                 optimizer.zero_grad()
             micro_metrics.append(metrics)
         metrics = step_metrics(micro_metrics, accelerator)
@@ -491,6 +500,7 @@ def train(
                 accelerator.scaler,
                 cursor,
                 base_sum,
+                lr_steps,
             )
         accelerator.wait_for_everyone()
     bar.close()
