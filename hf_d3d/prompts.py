@@ -120,7 +120,7 @@ def load_prompts(source: str, field: str = "question", limit: int | None = None,
 
 
 def _load(source: str, field: str, limit: int | None) -> list[str]:
-    if source.startswith("gsm8k"):
+    if source == "gsm8k" or source.startswith("gsm8k:"):  # not a JSONL path that merely starts with "gsm8k"
         split = source.split(":", 1)[1] if ":" in source else "test"
         if split not in ("train", "test"):
             raise ValueError(f"unknown GSM8K split {split!r}; choose gsm8k:train or gsm8k:test")

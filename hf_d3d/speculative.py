@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
-from transformers.generation import LogitsProcessorList
+from transformers.generation import EosTokenCriteria, GenerationMode, LogitsProcessorList
 
 from hf_d3d.checks import check_pair
 from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
@@ -143,6 +143,9 @@ def _plan(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if config.num_beams not in (None, 1):
         raise ValueError("D3D speculative decoding does not support beam search")
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):  # not decoded greedily in its place
+        raise ValueError(f"D3D speculative decoding runs greedy decoding or sampling, not {mode.value}")
     check_pair(target, drafter)
     exact = is_exact(target)
     kind = config.cache_implementation or "dynamic"
@@ -431,8 +434,19 @@ def d3d_generate(
         raise ValueError("custom_generate=d3d_generate returns token ids only; use return_dict_in_generate=False")
     # transformers hands a callable custom_generate only the arguments its own loops do not take: not the streamer
     streamer = caller_locals("generate", holding="custom_generate").get("streamer")
+    # what generate passes any decoding loop; anything more (images, embeddings, token types) would be dropped
+    extra = sorted(
+        set(model_kwargs)
+        - {"attention_mask", "cache", "past_key_values", "logits_to_keep", "position_ids", "use_cache"}
+    )
+    if extra:
+        raise ValueError(f"custom_generate=d3d_generate decodes from input_ids (and attention_mask) alone, got {extra}")
     generation_config = copy.copy(generation_config)  # generate's own, already complete; the cache kind is ours
     generation_config.cache_implementation = _cache_kind(generation_config.cache_implementation)
+    # Plain generate stops on its EOS criteria, which a caller's EosTokenCriteria replaces: the loop stops on those
+    # ids, not on the config's.
+    eos_stops = [c for c in stopping_criteria or [] if isinstance(c, EosTokenCriteria)]
+    generation_config.eos_token_id = sorted({i for c in eos_stops for i in c.eos_token_id.reshape(-1).tolist()}) or None
     return speculative_generate(
         model,
         drafter,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 from test_training import ToyTokenizer
@@ -42,6 +43,13 @@ def test_gzipped_jsonl_and_limit(tmp_path):
 def test_gsm8k_prompts_ship_with_the_package():
     prompts = load_prompts("gsm8k:test", limit=2)
     assert len(prompts) == 2 and all(isinstance(p, str) and p for p in prompts)
+    assert load_prompts("gsm8k", limit=2) == prompts  # the test split by default
+
+
+def test_a_jsonl_path_named_like_a_set_is_read_as_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("gsm8k_rest.jsonl").write_text(json.dumps({"question": "mine"}) + "\n")
+    assert load_prompts("gsm8k_rest.jsonl") == ["mine"]
 
 
 @pytest.mark.parametrize(

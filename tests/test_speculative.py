@@ -307,6 +307,17 @@ def test_fast_loop_refuses_what_it_cannot_keep_lossless():
     for setting in (dict(stop_strings=["ab"]), dict(max_time=5.0)):
         with pytest.raises(ValueError, match=f"{next(iter(setting))}.*custom_generate=d3d_generate"):
             speculative_generate(target, drafter, x, max_new_tokens=4, **setting)
+    # another decoding mode is refused, not decoded greedily in its place
+    with pytest.raises(ValueError, match="greedy decoding or sampling, not contrastive_search"):
+        speculative_generate(target, drafter, x, max_new_tokens=4, penalty_alpha=0.6, top_k=4)
+    # model inputs beyond the ids would be dropped: embeddings (here with no ids at all), images, token types
+    with pytest.raises(ValueError, match=r"input_ids \(and attention_mask\) alone, got \['inputs_embeds'\]"):
+        target.generate(
+            inputs_embeds=target.get_input_embeddings()(x),
+            custom_generate=d3d_generate,
+            drafter=drafter,
+            max_new_tokens=4,
+        )
     # classifier-free guidance runs the target on an unconditional cache it extends at each call, drafts included
     with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidanceLogitsProcessor.*keep state"):
         speculative_generate(target, drafter, x, max_new_tokens=4, guidance_scale=1.5)
@@ -333,6 +344,34 @@ def test_custom_generate_honours_stopping_criteria():
     # transformers' assisted loop would check it after a round of several tokens and run past length 9: refused
     with pytest.raises(ValueError, match=r"StopAtLength.*custom_generate=hf_d3d.d3d_generate"):
         target.generate(x, stopping_criteria=crit, assistant_model=drafter, **kw)
+
+
+def test_a_callers_eos_or_length_criterion_is_kept_as_generate_keeps_it():
+    """A caller's EosTokenCriteria or MaxLengthCriteria takes the place of the one generate builds: plain generate
+    then stops on its ids or length alone. The fast loop does the same; the assisted loop, which cuts rounds at the
+    config's EOS and length, refuses it."""
+    from transformers import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+    target, drafter = TARGETS["llama"], DRAFTERS[("llama", 8)]
+    x = torch.tensor([[9, 10, 11, 12]])
+    free = plain(target, x, 20, None)[0, x.shape[1] :].tolist()
+    early = next(t for t in free if free.index(t) >= 2)  # first generated at step 2 or later
+    late = next(t for t in free if free.index(t) > free.index(early) + 2)
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False)
+    for crit, eos in ((EosTokenCriteria(eos_token_id=late), early), (MaxLengthCriteria(x.shape[1] + 9), None)):
+        crit = StoppingCriteriaList([crit])
+        ref = target.generate(x, stopping_criteria=crit, eos_token_id=eos, **kw)
+        assert not torch.equal(ref, target.generate(x, eos_token_id=eos, **kw))  # it did take the default's place
+        out = target.generate(
+            x, stopping_criteria=crit, eos_token_id=eos, custom_generate=d3d_generate, drafter=drafter, **kw
+        )
+        assert torch.equal(out, ref)
+        with pytest.raises(ValueError, match=r"(EosToken|MaxLength)Criteria\(.*custom_generate=hf_d3d.d3d_generate"):
+            target.generate(x, stopping_criteria=crit, eos_token_id=eos, assistant_model=drafter, **kw)
+    # generate's own criterion, passed again with the same value, is no reason to refuse
+    same = StoppingCriteriaList([EosTokenCriteria(eos_token_id=early)])
+    out = target.generate(x, stopping_criteria=same, eos_token_id=early, assistant_model=drafter, **kw)
+    assert torch.equal(out, target.generate(x, eos_token_id=early, **kw))
 
 
 def test_num_assistant_tokens_caps_the_draft_in_both_paths(oracle):

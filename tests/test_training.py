@@ -842,3 +842,35 @@ def test_an_update_skipped_for_overflow_leaves_the_schedule_where_it_was(toy, to
     log = json.loads((tmp_path / "final" / "training_log.json").read_text())
     lrs = [row["lr"] for row in (log["log"] if isinstance(log, dict) else log)]
     assert lrs == pytest.approx([cosine_lr_factor(n, 2, 6) * 1e-3 for n in (0, 0, 1, 2, 3, 4)])
+
+
+def test_unanswered_prompts_are_those_no_greedy_answer_covers(tmp_path):
+    """scripts/unanswered_prompts.py: a sampled answer does not stand in for a greedy one, and another target's
+    data is refused rather than read as answering nothing."""
+    import importlib.util
+    import pathlib
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_d3d.train.token_file import write_token_file
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "unanswered_prompts.py"
+    spec = importlib.util.spec_from_file_location("unanswered_prompts", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    words = Tokenizer(models.WordLevel({str(i): i for i in range(VOCAB)}, unk_token="0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="0", eos_token="3")
+    prompts = ["5 6", "7 8", "9 10", "11 12"]
+
+    def answers(*chosen):
+        return [{"prompt_ids": chat_prompt_ids(tokenizer, prompts[i]), "response_ids": [4, 3]} for i in chosen]
+
+    greedy = write_token_file(answers(0), tmp_path / "greedy.safetensors", VOCAB, {"target": "tiny"})
+    drawn = {"target": "tiny", "do_sample": True}
+    sampled = write_token_file(answers(1, 2), tmp_path / "t07.safetensors", VOCAB, drawn)
+    assert script.unanswered(prompts, tokenizer, "org/tiny", str(greedy), str(sampled)) == prompts[1:]
+    other = write_token_file(answers(3), tmp_path / "other.safetensors", VOCAB, {"target": "Other-LM"})
+    with pytest.raises(ValueError, match="distilled from 'Other-LM'"):
+        script.unanswered(prompts, tokenizer, "org/tiny", str(other))

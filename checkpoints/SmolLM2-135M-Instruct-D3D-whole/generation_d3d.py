@@ -561,7 +561,7 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     first = not isinstance(generator, D3DCandidateGenerator)
     if first:
         target = assisting_target()
-        refuse_round_end_stops(assisted_stopping_criteria())
+        refuse_round_end_stops(*assisted_stopping_criteria())
         exact = getattr(config, "d3d_prefill_alone", False)
         skinny = getattr(config, "d3d_skinny", None)  # True: the caller's skinny_linears block; False: not wanted
         # Verifying a few rows costs nearly a decode step per row with fp32 CPU GEMMs; the drafter gives the target's
@@ -590,16 +590,26 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     return _assistant_output(sequences, scores, generator)
 
 
-def refuse_round_end_stops(criteria: list) -> None:
+def refuse_round_end_stops(criteria: list, loop_config=None) -> None:
     """Refuse stopping criteria that transformers' assisted loop checks only once per round (stop strings, custom
     ones): a round commits several tokens, so the output could run past where plain ``generate`` stops. It cuts a
-    round at EOS and at the length limit itself; a time limit stops at no fixed token anyway."""
-    per_token = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
-    others = sorted({type(c).__name__ for c in criteria if not isinstance(c, per_token)})
+    round at its config's EOS and length limit itself, so an EOS or length criterion of other values (a caller's,
+    which replaces generate's own) is refused too; a time limit stops at no fixed token anyway."""
+    others = {
+        type(c).__name__ for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria))
+    }
+    if loop_config is not None:
+        eos = getattr(loop_config, "_eos_token_tensor", None)
+        eos = set() if eos is None else set(eos.reshape(-1).tolist())
+        for c in criteria:
+            if isinstance(c, MaxLengthCriteria) and c.max_length != loop_config.max_length:
+                others.add(f"MaxLengthCriteria(max_length={c.max_length}), not generate's max_length")
+            if isinstance(c, EosTokenCriteria) and set(c.eos_token_id.reshape(-1).tolist()) != eos:
+                others.add(f"EosTokenCriteria({sorted(c.eos_token_id.reshape(-1).tolist())}), not generate's EOS")
     if others:
         raise ValueError(
-            f"assisted generation checks {others} only after each round of several tokens, so the output could run "
-            "past where plain generate stops; hf_d3d's fast loop checks them after every token: "
+            f"assisted generation checks {sorted(others)} only after each round of several tokens, so the output could "
+            "run past where plain generate stops; hf_d3d's fast loop checks them after every token: "
             "target.generate(..., custom_generate=hf_d3d.d3d_generate, drafter=drafter)"
         )
 

@@ -63,6 +63,8 @@ def assisting_target() -> torch.nn.Module | None:
     return model if isinstance(model, torch.nn.Module) else None
 
 
-def assisted_stopping_criteria() -> list:
-    """The stopping criteria of the assisted loop this call runs inside (empty outside one)."""
-    return list(caller_locals("_assisted_decoding").get("stopping_criteria") or [])
+def assisted_stopping_criteria() -> tuple[list, object]:
+    """The stopping criteria and the generation config of the assisted loop this call runs inside (empty and
+    ``None`` outside one): the loop cuts a round at the config's EOS and length, and checks the criteria after it."""
+    loop = caller_locals("_assisted_decoding")
+    return list(loop.get("stopping_criteria") or []), loop.get("generation_config")
