@@ -108,9 +108,10 @@ def run_bench(
     """Run ``methods`` on every prompt; returns the result dict (per-method metrics and per-prompt records).
 
     With ``exact``, every method but ``plain`` and ``d3d_hub`` runs under :func:`hf_d3d.exact_verification`.
-    ``skinny`` (default: as the fast loop decides for ``target``): every method but those two computes its few-row
-    linears as :func:`hf_d3d.skinny_linears` does, the peers in transformers' loops included, so that only drafting
-    differs. ``d3d_hub`` runs ``hub_drafter`` (loaded as a Hub user loads it) exactly as a user's code would.
+    ``skinny`` (default: as the fast loop decides for ``target``): every method but those two and ``d3d_fused`` (whose
+    one pass a round computes the verify rows and the next blocks together, many rows) computes its few-row linears
+    as :func:`hf_d3d.skinny_linears` does, the peers in transformers' loops included, so that only drafting differs.
+    ``d3d_hub`` runs ``hub_drafter`` (loaded as a Hub user loads it) exactly as a user's code would.
     """
     if skinny is None:
         skinny = skinny_by_default(target) and not exact
@@ -122,6 +123,8 @@ def run_bench(
         raise ValueError("method assisted_ar needs an autoregressive drafter (--ar-drafter)")
     if any(m.startswith("d3d") for m in methods) and drafter is None:
         raise ValueError("d3d methods need a D3D drafter")
+    if "d3d_fused" in methods and exact:  # refused here, before any model runs, not in its warm-up
+        raise ValueError("method d3d_fused runs blocks beside the verification rows: exact verification cannot run")
     if "d3d_fused" in methods and (why_not := fusable(target, drafter)):
         raise ValueError(f"method d3d_fused needs a drafter that is its target plus block adapters: {why_not}")
     if "d3d_hub" in methods and hub_drafter is None:

@@ -16,13 +16,14 @@ Greedy decoding, batch size 1, a dynamic cache. :func:`fusable` says whether a d
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 
 from hf_d3d.checks import check_pair
 from hf_d3d.exact import is_exact
@@ -30,7 +31,7 @@ from hf_d3d.modeling.attention_d3d import D3DLayout, d3d_attention_mask, pack_bl
 from hf_d3d.modeling.compat_d3d import cache_kwarg
 from hf_d3d.modeling.generation_d3d import D3DStats
 from hf_d3d.modeling.modeling_d3d import _lm_state
-from hf_d3d.speculative import _eos_set, _until_stop
+from hf_d3d.speculative import _eos_set, _processors, _until_stop
 from hf_d3d.tree import (
     DraftTree,
     build_tree,
@@ -207,10 +208,13 @@ def fused_generate(
     streamer=None,
     on_round: Callable[[list[int], int, list[int]], None] | None = None,
     tree: bool = True,
+    generation_config: GenerationConfig | None = None,
 ) -> torch.LongTensor:
     """Greedy decode of ``target`` whose rounds each cost one target forward (see the module); returns prompt + new
     tokens ``[1, n]``, the tokens ``target.generate(do_sample=False)`` returns. ``eos_token_id`` defaults to the
-    target's generation config. ``tree``: verify a draft tree of the accepted block's best candidates (the default)
+    target's generation config. ``generation_config`` (default: the target's): the settings plain ``generate`` would
+    decode with; one that builds a logits processor (a repetition penalty, ``min_new_tokens``, ...) is refused.
+    ``tree``: verify a draft tree of the accepted block's best candidates (the default)
     or its greedy chain. ``num_hypotheses``: blocks per pass, anchored at the draft's nodes most likely to end the
     accepted path (default: every node and the root on an accelerator, 2 on a CPU, where each block's rows cost
     compute). ``stopping_criteria``, ``streamer`` and ``on_round(draft, accepted, committed)`` as in
@@ -231,6 +235,12 @@ def fused_generate(
         raise ValueError("fused_generate needs a target whose forward takes logits_to_keep (its verification rows)")
     if is_exact(target):
         raise ValueError("fused_generate runs blocks beside the verification rows: exact verification cannot run")
+    config = copy.copy(generation_config or target.generation_config or GenerationConfig())
+    config.do_sample, config.max_length = False, input_ids.shape[1] + max_new_tokens
+    procs = _processors(target, config, input_ids, None, stopping_criteria)
+    if len(procs):  # plain greedy generate applies them; the fused rounds take the argmax of raw logits
+        names = sorted({type(p).__name__ for p in procs})
+        raise ValueError(f"fused_generate decodes without logits processors; the generation config asks for {names}")
     cache = DynamicCache()
     why_not = tree_unsupported(target, cache, do_sample=False)
     if why_not:  # the same needs as a tree's verify forward: a custom 4D mask, positions from position_ids

@@ -259,6 +259,7 @@ def speculative_generate(
             streamer=streamer,
             on_round=on_round,
             tree=tree is not False,
+            generation_config=config,
         )
     plan = _plan(
         target,
@@ -444,9 +445,9 @@ def d3d_generate(
     generation_config = copy.copy(generation_config)  # generate's own, already complete; the cache kind is ours
     generation_config.cache_implementation = _cache_kind(generation_config.cache_implementation)
     # Plain generate stops on its EOS criteria, which a caller's EosTokenCriteria replaces: the loop stops on those
-    # ids, not on the config's.
+    # ids, not on the config's. Passed as an argument, since a None in the config would be refilled from the target's.
     eos_stops = [c for c in stopping_criteria or [] if isinstance(c, EosTokenCriteria)]
-    generation_config.eos_token_id = sorted({i for c in eos_stops for i in c.eos_token_id.reshape(-1).tolist()}) or None
+    eos_ids = sorted({i for c in eos_stops for i in c.eos_token_id.reshape(-1).tolist()}) or None
     return speculative_generate(
         model,
         drafter,
@@ -458,6 +459,7 @@ def d3d_generate(
         logits_processor=_CompleteProcessors(logits_processor),
         stopping_criteria=stopping_criteria,
         fused=fused,
+        eos_token_id=eos_ids,
     )
 
 

@@ -168,6 +168,25 @@ def test_fused_true_refuses_what_it_does_not_do():
             speculative_generate(target, drafter, x, max_new_tokens=4, fused=True, **kwargs)
 
 
+def test_fused_keeps_the_callers_eos_and_refuses_the_configs_processors():
+    """eos_token_id=None through generate stops on no EOS, though the target's config names one; called directly,
+    fused_generate refuses a target whose generation config plain greedy generate would apply processors from."""
+    target, drafter = TARGETS["llama"], DRAFTERS["llama"]
+    x = torch.tensor([[5, 6, 7, 40]])
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False)
+    free = target.generate(x, eos_token_id=None, **kw)[0, x.shape[1] :].tolist()
+    config = copy.deepcopy(target.generation_config)
+    target.generation_config.eos_token_id = next(t for t in free if free.index(t) >= 2)
+    try:
+        out = target.generate(x, eos_token_id=None, custom_generate=d3d_generate, drafter=drafter, fused=True, **kw)
+        assert out[0, x.shape[1] :].tolist() == free
+        target.generation_config.repetition_penalty = 1.05  # as Qwen2.5-Instruct ships
+        with pytest.raises(ValueError, match="asks for \\['RepetitionPenaltyLogitsProcessor'\\]"):
+            fused_generate(target, drafter, x, max_new_tokens=16)
+    finally:
+        target.generation_config = config
+
+
 def test_fused_streams_and_ignores_eos_when_told():
     target, drafter = TARGETS["llama"], DRAFTERS["llama"]
     x = torch.tensor([[5, 6, 7, 40]])
@@ -208,6 +227,15 @@ def test_bench_refuses_the_fused_method_for_a_drafter_it_cannot_fuse():
     small = D3DDrafterModel.from_target(target, num_hidden_layers=2, block_size=4)
     with pytest.raises(ValueError, match="d3d_fused needs"):
         bench.run_bench(target, small, [[5, 6, 7]], ["d3d_fused"], max_new_tokens=4)
+    # --exact with the fused method: refused up front (plain would otherwise run its warm-up first)
+    calls = []
+    handle = target.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="d3d_fused runs blocks beside the verification rows"):
+            bench.run_bench(target, DRAFTERS["llama"], [[5, 6, 7]], ["d3d_fused"], max_new_tokens=4, exact=True)
+    finally:
+        handle.remove()
+    assert not calls
 
 
 def test_refuses_targets_a_custom_mask_cannot_serve():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,12 @@ def test_space_asks_for_the_transformers_versions_the_package_supports():
     lines = (ROOT / "examples/space/requirements.txt").read_text().splitlines()
     (space,) = [Requirement(line) for line in lines if line.startswith("transformers")]
     assert space.specifier == package.specifier
+
+
+def test_space_pins_the_torch_the_suite_runs_on():
+    """An unpinned torch on a CPU Space pulls the multi-GB CUDA build and a version the suite never ran."""
+    lines = (ROOT / "examples/space/requirements.txt").read_text().splitlines()
+    (space,) = [Requirement(line) for line in lines if line.startswith("torch")]
+    (pinned,) = re.findall(r"pip install -q (torch==[\d.]+)", (ROOT / "Makefile").read_text())
+    assert str(space.specifier) == pinned.removeprefix("torch")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines

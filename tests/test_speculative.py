@@ -368,6 +368,15 @@ def test_a_callers_eos_or_length_criterion_is_kept_as_generate_keeps_it():
         assert torch.equal(out, ref)
         with pytest.raises(ValueError, match=r"(EosToken|MaxLength)Criteria\(.*custom_generate=hf_d3d.d3d_generate"):
             target.generate(x, stopping_criteria=crit, eos_token_id=eos, assistant_model=drafter, **kw)
+    # eos_token_id=None stops on no EOS, though the target's generation config names one
+    configured, target.generation_config.eos_token_id = target.generation_config.eos_token_id, early
+    try:
+        ref = target.generate(x, eos_token_id=None, **kw)
+        assert ref.shape[1] == x.shape[1] + 20
+        out = target.generate(x, eos_token_id=None, custom_generate=d3d_generate, drafter=drafter, **kw)
+        assert torch.equal(out, ref)
+    finally:
+        target.generation_config.eos_token_id = configured
     # generate's own criterion, passed again with the same value, is no reason to refuse
     same = StoppingCriteriaList([EosTokenCriteria(eos_token_id=early)])
     out = target.generate(x, stopping_criteria=same, eos_token_id=early, assistant_model=drafter, **kw)
