@@ -71,6 +71,34 @@ def test_distill_resumes_and_marks_completion(toy, tmp_path):
     assert meta["num_records"] == 6 and meta["device"] == "cpu"  # provenance: where the answers were generated
 
 
+def test_a_resumed_sampled_run_draws_what_an_uninterrupted_one_does(toy, tmp_path, monkeypatch):
+    from hf_d3d.train import distill as distill_module
+
+    target, prompts = toy
+    cfg = DistillConfig(max_new_tokens=8, batch_size=2, do_sample=True, temperature=1.5, seed=5)
+    whole = distill(target, ToyTokenizer(), prompts[:6], tmp_path / "whole", cfg)
+    real = distill_module.transformers_backend
+
+    def dies_after_one_batch(*args):
+        run, calls = real(*args), []
+
+        def once(batch):
+            calls.append(1)
+            if len(calls) > 1:
+                raise Killed
+            return run(batch)
+
+        return once
+
+    monkeypatch.setattr(distill_module, "transformers_backend", dies_after_one_batch)
+    with pytest.raises(Killed):
+        distill(target, ToyTokenizer(), prompts[:6], tmp_path / "cut", cfg)
+    monkeypatch.setattr(distill_module, "transformers_backend", real)
+    assert len((tmp_path / "cut" / "records.jsonl").read_text().splitlines()) == 2
+    distill(target, ToyTokenizer(), prompts[:6], tmp_path / "cut", cfg)
+    assert (tmp_path / "cut" / "records.jsonl").read_text() == (whole / "records.jsonl").read_text()
+
+
 def test_a_run_cut_short_can_be_finished_as_partial(toy, tmp_path):
     target, prompts = toy
     cfg = DistillConfig(max_new_tokens=8, batch_size=2)

@@ -340,10 +340,12 @@ def distill(
     # Similar lengths in a batch waste less compute on padding; the order is deterministic so resume is exact.
     todo = [] if finish_partial else sorted((i for i in wanted if i not in done), key=lambda i: (len(encoded[i]), i))
     empty = 0
-    torch.manual_seed(config.seed)
     with open(out / RECORDS, "a", encoding="utf-8") as f, tqdm(total=len(wanted), initial=len(done)) as bar:
         for start in range(0, len(todo), config.batch_size):
             batch = todo[start : start + config.batch_size]
+            # Seeded by the batch's first prompt, not once per run: a resumed run draws what the uninterrupted one
+            # would have, instead of replaying the first batch's random stream for other prompts.
+            torch.manual_seed(config.seed * 1_000_003 + batch[0])
             gen = generate([encoded[i] for i in batch])
             for row, i in enumerate(batch):
                 response = []
