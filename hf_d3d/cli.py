@@ -797,7 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--exact",
         action="store_true",
-        help="run every method but plain under hf_d3d.exact_verification (bit-exact verification in bf16/fp16)",
+        help="run every method but plain and d3d_hub under hf_d3d.exact_verification (bit-exact verification in "
+        "bf16/fp16); d3d_fused is refused with it",
     )
     p.add_argument(
         "--no-skinny",
@@ -822,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="plain,prompt_lookup,d3d_sync,d3d_async,d3d_fast",
         help="comma-separated, from plain, assisted_ar, prompt_lookup, d3d_hub (the Hub user's path), d3d_sync, "
         "d3d_async, d3d_fast (the fast loop, draft trees when greedy), d3d_fast_chain (the fast loop, chains only), "
-        "d3d_fused (one target forward per round; a drafter that is its target plus block adapters)",
+        "d3d_fused (one target forward per round; a drafter that is its target plus block adapters; not with --exact)",
     )
     p.add_argument("--out", required=True, help="RESULT.json (a .md table and a .png plot are written beside it)")
     p.add_argument(
@@ -915,7 +916,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "pack-data", help="store finished distillation folders as compact token files (uint16 ids, provenance)"
     )
-    p.add_argument("--target", default=None, help="the target they were distilled from (for its vocabulary size)")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the target they were distilled from, for its vocabulary size (default: the embedded "
+        "SmolLM2-135M-Instruct); a folder whose meta.json names another target is refused",
+    )
     p.add_argument("--data", required=True, nargs="+", help="finished `hf-d3d distill` folders")
     p.add_argument("--out-dir", required=True, help="one FOLDER_NAME.safetensors per folder is written here")
     p.add_argument("--overwrite", action="store_true", help="replace token files of the same names")
