@@ -27,7 +27,15 @@ from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
 from hf_d3d.exact import is_exact
 from hf_d3d.modeling.compat_d3d import cache_kwarg, caller_locals
 from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
-from hf_d3d.tree import build_tree, keep_path, tree_inputs, tree_size, tree_unsupported, verify_tree_greedy
+from hf_d3d.tree import (
+    attention_implementations,
+    build_tree,
+    keep_path,
+    tree_inputs,
+    tree_size,
+    tree_unsupported,
+    verify_tree_greedy,
+)
 from hf_d3d.verify import verify_greedy, verify_sampling
 
 # Generation settings that need stopping criteria the fast loop does not build itself, each with the value that leaves
@@ -81,7 +89,7 @@ def _target_cache(target: PreTrainedModel, kind: str, max_len: int) -> Cache:
         return DynamicCache()
     if kind != "static":
         raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {kind!r}")
-    if "flash" in str(getattr(target.config, "_attn_implementation", "")):
+    if any("flash" in kind for kind in attention_implementations(target)):
         # flash kernels take no mask here: they would attend over the whole preallocated buffer
         raise ValueError("cache_implementation='static' needs sdpa or eager attention; use 'dynamic' with flash")
     cache = StaticCache(config=target.config, max_cache_len=max_len)
@@ -399,7 +407,7 @@ def _tree_round(target, gen, seq, cache, cached, budget, procs, trims_logits):
         keep = {"logits_to_keep": 1} if trims_logits else {}
         target(seq[:, cached:-1], **{cache_kwarg(target): cache}, use_cache=True, **keep)
         cached = seq.shape[1] - 1
-    eager = str(target.config._attn_implementation) == "eager"
+    eager = "eager" in attention_implementations(target)  # an additive float mask, which sdpa takes too
     ids, positions, mask = tree_inputs(tree, seq[0, cached:].tolist(), cached, seq.device, target.dtype, eager)
     committed = seq[0].tolist() if len(procs) else []
     logits = _verified_logits(

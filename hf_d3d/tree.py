@@ -181,13 +181,19 @@ def keep_path(cache: Cache, start: int, path: list[int]) -> None:
             layer.crop(keep - held)
 
 
+def attention_implementations(target: PreTrainedModel) -> set[str]:
+    """The attention implementations of ``target``'s config and of its language model's (a composite model, a VLM,
+    may run its language model under another)."""
+    return {str(getattr(c, "_attn_implementation", "")) for c in (target.config, target.config.get_text_config())}
+
+
 def tree_unsupported(target: PreTrainedModel, cache: Cache, do_sample: bool) -> str | None:
     """Why draft trees cannot run with these settings, or ``None`` when they can."""
     if do_sample:
         return "draft trees verify greedy decoding only; sampling uses a chain"
     if not isinstance(cache, DynamicCache):
         return "draft trees need a dynamic cache (accepted nodes are moved, not overwritten in place)"
-    if str(getattr(target.config, "_attn_implementation", "")) not in ("sdpa", "eager", EXACT_ATTENTION):
+    if not attention_implementations(target) <= {"sdpa", "eager", EXACT_ATTENTION}:
         return "draft trees need sdpa or eager attention (the tree mask is a custom 4D mask)"
     config = target.config.get_text_config()
     # Siblings share a position, so positions must come from position_ids through rotary embeddings; ALiBi and

@@ -154,6 +154,14 @@ def test_static_cache_refuses_sliding_window_targets():
     flash.config._attn_implementation = "flash_attention_2"  # its kernels would see the whole buffer unmasked
     with pytest.raises(ValueError, match="sdpa or eager"):
         speculative_generate(flash, make_drafter(flash), torch.tensor([[5, 6]]), 4, cache_implementation="static")
+    # a composite model whose language model alone runs flash: its text config says so, the top one does not
+    inner = copy.deepcopy(flash.config)
+    flash.config._attn_implementation = "sdpa"
+    flash.config.get_text_config = lambda *a, **k: inner
+    with pytest.raises(ValueError, match="sdpa or eager"):
+        speculative_generate(flash, make_drafter(flash), torch.tensor([[5, 6]]), 4, cache_implementation="static")
+    with pytest.raises(ValueError, match="tree=True: draft trees need sdpa or eager"):
+        speculative_generate(flash, make_drafter(flash), torch.tensor([[5, 6]]), 4, tree=True)
 
 
 def test_fast_loop_tau_counts_target_forwards(oracle):
