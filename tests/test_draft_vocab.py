@@ -207,10 +207,15 @@ def test_a_draft_ends_where_processors_rule_out_the_whole_draft_vocab():
     # and reported as it, so speculative sampling still keeps the target's distribution.
     generator = D3DCandidateGenerator(drafter, LogitsProcessorList([banned]), do_sample=True, min_draft=1)
     seq, scores = generator.get_candidates(x)
-    assert seq.shape[1] == 4 and torch.equal(scores, torch.zeros(1, 1, VOCAB))
-    torch.manual_seed(0)
-    out = target.generate(x, do_sample=True, assistant_model=drafter, **kw)  # raised in torch.stack before
-    assert out.shape[1] > 3 and not set(out[0, 3:].tolist()) & set(VOCAB_IDS)
+    # uniform over the draft vocabulary, whose tokens alone the packed pass can place (a token outside it crashed)
+    uniform = torch.full((1, 1, VOCAB), float("-inf"))
+    uniform[..., sorted(set(VOCAB_IDS))] = 0.0
+    assert seq.shape[1] == 4 and seq[0, -1].item() in VOCAB_IDS and torch.equal(scores, uniform)
+    for async_drafting in (False, True):
+        drafter.config.async_drafting = async_drafting
+        torch.manual_seed(0)
+        out = target.generate(x, do_sample=True, assistant_model=drafter, **kw)  # raised in torch.stack before
+        assert out.shape[1] > 3 and not set(out[0, 3:].tolist()) & set(VOCAB_IDS)
 
 
 def test_from_target_refuses_a_draft_vocab_size_without_ids():

@@ -519,6 +519,8 @@ class D3DCandidateGenerator(CandidateGenerator):
         if not self.do_sample and len(self.logits_processor) == 0:
             return self._tokens(logits.argmax(-1)), self._full(logits)
         logits = self._full(logits)  # processors and sampling index by token id
+        # uniform over the tokens the drafter can propose (its draft vocabulary), which the packed pass indexes by
+        stand_in = torch.where(torch.isfinite(logits[:, 0]), 0.0, float("-inf"))
         seq = input_ids
         scores = torch.empty_like(logits)
         proposable = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
@@ -529,7 +531,7 @@ class D3DCandidateGenerator(CandidateGenerator):
             # within a draft vocabulary) ends the draft. The cut is made after the loop, so the host reads the
             # device once per round; meanwhile such a row draws from a harmless uniform stand-in.
             proposable[i] = torch.isfinite(scores[:, i]).any()
-            row = torch.where(proposable[i], scores[:, i], 0.0)
+            row = torch.where(proposable[i], scores[:, i], stand_in)
             if self.do_sample:  # drawn where the generator lives (a CPU one cannot draw on a GPU), then moved
                 at = self.generator.device if self.generator is not None else row.device
                 nxt = torch.multinomial(row.softmax(-1).to(at), 1, generator=self.generator).to(row.device)
@@ -540,7 +542,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         # proposable stays, drawn from the uniform stand-in and reported as it. Speculative sampling is exact for
         # whatever distribution a draft token was drawn from, so the target's distribution is kept.
         keep = max(int(proposable.long().cumprod(0).sum()), self.min_draft)
-        scores = torch.where(proposable[:keep, None], scores[:, :keep], 0.0)
+        scores = torch.where(proposable[:keep, None], scores[:, :keep], stand_in[:, None])
         return seq[:, input_ids.shape[1] : input_ids.shape[1] + keep], scores
 
 
