@@ -98,3 +98,28 @@ def test_repeated_kv_heads_attend_as_grouped_ones():
         dim=1,
     )
     torch.testing.assert_close(grouped, by_hand)
+
+
+def test_a_hypothesis_block_equals_a_sync_draft_with_block_adapters():
+    """A whole-LM drafter (shifted slots, block adapters) reads its first slot from the row before it: in a packed
+    hypothesis that is the guessed clean token's row, which must be computed as that token in the context is, with
+    no adapter, or the packed pass drafts other tokens than sync drafting after committing the same token."""
+    from hf_d3d import D3DDrafterModel
+
+    target = tiny_target("llama")
+    drafter = D3DDrafterModel.from_pretrained_lm(target, block_size=4, block_adapter_rank=4).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "block_adapters" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    assert drafter.config.shifted_slots
+    context = torch.randint(4, 96, (1, 14), generator=gen)
+    ids, layout = pack_blocks(context, 0, [12, 9], 4, 0, prefixes=[[77], []])
+    packed = drafter(ids, layout=layout, use_cache=False).logits[:, 14:]
+    committed = torch.cat([context[:, :13], torch.tensor([[77]])], dim=1)
+    torch.testing.assert_close(packed[:, 1:5], _block_logits(drafter, committed, 13, 4), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed[:, 5:], _block_logits(drafter, context, 9, 4), rtol=1e-4, atol=1e-4)
+    with torch.enable_grad():  # the training forward (autograd's path through the adapters) agrees
+        again = drafter(ids, layout=layout, use_cache=False).logits[:, 14:]
+    torch.testing.assert_close(again, packed, rtol=1e-5, atol=1e-5)

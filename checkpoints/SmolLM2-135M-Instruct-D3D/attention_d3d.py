@@ -44,6 +44,8 @@ class D3DLayout:
     # for every token the context row it takes its view from (its own row, or its block's anchor row).
     context_sees: torch.BoolTensor | None = None
     anchor_rows: torch.LongTensor | None = None
+    # some block holds clean tokens before its slots (pack_blocks' prefixes): the rows that are not slots
+    clean_block_rows: bool = False
 
     def attention_mask(self) -> torch.BoolTensor:
         """Boolean mask ``[batch, 1, T, past_length + T]``, True where attention is allowed."""
@@ -120,6 +122,7 @@ def pack_blocks(
         anchors=cat(anc),
         past_length=past_length,
         num_context=n_ctx,
+        clean_block_rows=any(len(p) for p in prefixes),
     )
     return torch.cat(ids, dim=1), layout
 

@@ -90,13 +90,20 @@ class D3DBlockAdapter(nn.Module):
         self.down = nn.Linear(in_features, rank, bias=False)
         self.up = nn.Parameter(torch.zeros(out_features, rank))  # zero: a new adapter changes nothing
 
-    def forward(self, x: torch.Tensor, num_context: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_context: int, clean: torch.Tensor | None = None) -> torch.Tensor:
+        """The adapter's change to every block row: zero for the context rows and for ``clean`` block rows (``[batch,
+        rows after the context]``, True where a block holds a clean token, as a packed-pass hypothesis does)."""
         delta = F.linear(self.down(x[:, num_context:]), self.up)
-        return F.pad(delta, (0, 0, num_context, 0))  # zero for the context rows
+        if clean is not None:
+            delta = delta.masked_fill(clean[..., None], 0.0)
+        return F.pad(delta, (0, 0, num_context, 0))
 
-    def add_to(self, out: torch.Tensor, x: torch.Tensor, num_context: int) -> torch.Tensor:
-        """``out + self(x, num_context)``, written into ``out``'s block rows (inference: nothing needs ``out``)."""
-        if out.shape[0] == 1:  # one fused multiply-add on 2-D rows
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, num_context: int, clean: torch.Tensor | None = None):
+        """``out + self(x, num_context, clean)``, written into ``out``'s block rows (inference: nothing needs
+        ``out``)."""
+        if clean is not None:
+            out[:, num_context:] += F.linear(self.down(x[:, num_context:]), self.up).masked_fill(clean[..., None], 0.0)
+        elif out.shape[0] == 1:  # one fused multiply-add on 2-D rows
             out[0, num_context:].addmm_(self.down(x[0, num_context:]), self.up.t())
         else:
             out[:, num_context:] += F.linear(self.down(x[:, num_context:]), self.up)
@@ -110,13 +117,13 @@ def _adapters(config: D3DConfig, layer_idx: int, shapes: dict[str, tuple[int, in
     return nn.ModuleDict({k: D3DBlockAdapter(i, o, config.block_adapter_rank) for k, (i, o) in shapes.items()})
 
 
-def _project(linear: nn.Linear, adapters: nn.ModuleDict | None, name: str, x: torch.Tensor, num_context: int):
+def _project(linear: nn.Linear, adapters: nn.ModuleDict | None, name: str, x: torch.Tensor, num_context: int, clean):
     out = linear(x)
     if adapters is None or out.shape[1] <= num_context:
         return out
     if torch.is_grad_enabled():  # training: autograd needs the sum as a new tensor
-        return out + adapters[name](x, num_context)
-    return adapters[name].add_to(out, x, num_context)
+        return out + adapters[name](x, num_context, clean)
+    return adapters[name].add_to(out, x, num_context, clean)
 
 
 class D3DAttention(nn.Module):
@@ -136,12 +143,12 @@ class D3DAttention(nn.Module):
         shapes = {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h)}
         self.block_adapters = _adapters(config, layer_idx, shapes)
 
-    def forward(self, x, cos, sin, mask, cache: DynamicCache | None, num_context: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask, cache: DynamicCache | None, num_context: int, clean=None) -> torch.Tensor:
         b, t, _ = x.shape
-        ad = self.block_adapters
-        q = _project(self.q_proj, ad, "q_proj", x, num_context).view(b, t, self.n_heads, self.head_dim)
-        k = _project(self.k_proj, ad, "k_proj", x, num_context).view(b, t, self.n_kv, self.head_dim)
-        v = _project(self.v_proj, ad, "v_proj", x, num_context).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        ad, n = self.block_adapters, num_context
+        q = _project(self.q_proj, ad, "q_proj", x, n, clean).view(b, t, self.n_heads, self.head_dim)
+        k = _project(self.k_proj, ad, "k_proj", x, n, clean).view(b, t, self.n_kv, self.head_dim)
+        v = _project(self.v_proj, ad, "v_proj", x, n, clean).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
@@ -151,7 +158,7 @@ class D3DAttention(nn.Module):
             k = torch.cat([k_ctx, k[:, :, num_context:]], dim=2)
             v = torch.cat([v_ctx, v[:, :, num_context:]], dim=2)
         out = _attend(q, k, v, mask, repeat_kv=q.is_cuda)
-        return _project(self.o_proj, ad, "o_proj", out.transpose(1, 2).reshape(b, t, -1), num_context)
+        return _project(self.o_proj, ad, "o_proj", out.transpose(1, 2).reshape(b, t, -1), n, clean)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, repeat_kv: bool) -> torch.Tensor:
@@ -176,11 +183,11 @@ class D3DMLP(nn.Module):
             config, layer_idx, {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         )
 
-    def forward(self, x: torch.Tensor, num_context: int) -> torch.Tensor:
-        ad = self.block_adapters
-        gated = self.act(_project(self.gate_proj, ad, "gate_proj", x, num_context))
+    def forward(self, x: torch.Tensor, num_context: int, clean=None) -> torch.Tensor:
+        ad, n = self.block_adapters, num_context
+        gated = self.act(_project(self.gate_proj, ad, "gate_proj", x, n, clean))
         return _project(
-            self.down_proj, ad, "down_proj", gated * _project(self.up_proj, ad, "up_proj", x, num_context), num_context
+            self.down_proj, ad, "down_proj", gated * _project(self.up_proj, ad, "up_proj", x, n, clean), n, clean
         )
 
 
@@ -192,9 +199,9 @@ class D3DDecoderLayer(nn.Module):
         self.input_layernorm = D3DRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = D3DRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, num_context):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, num_context)
-        return x + self.mlp(self.post_attention_layernorm(x), num_context)
+    def forward(self, x, cos, sin, mask, cache, num_context, clean=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, num_context, clean)
+        return x + self.mlp(self.post_attention_layernorm(x), num_context, clean)
 
 
 class D3DPreTrainedModel(PreTrainedModel):
@@ -235,7 +242,7 @@ class D3DBackbone(D3DPreTrainedModel):
             return self.mask_embedding
         return self.embed_tokens.weight[self.config.mask_token_id]
 
-    def forward(self, input_ids, is_slot, position_ids, mask, cache, num_context) -> torch.Tensor:
+    def forward(self, input_ids, is_slot, position_ids, mask, cache, num_context, clean=None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if is_slot is not None:
             h = torch.where(is_slot[..., None], self.mask_vector().to(h.dtype), h)
@@ -245,7 +252,7 @@ class D3DBackbone(D3DPreTrainedModel):
                 if cache is not None:  # keep cache layer indices aligned with the layer list
                     cache.update(*(torch.zeros_like(h[:, None, :num_context, :1]),) * 2, i)
                 continue
-            h = layer(h, cos, sin, mask, cache, num_context)
+            h = layer(h, cos, sin, mask, cache, num_context, clean)
         return self.norm(h)
 
 
@@ -325,16 +332,19 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         n = layout.num_context
         if frozen_context and cache is not None:
             raise ValueError("frozen_context is for training: pass use_cache=False")
+        # A clean token in a block (a packed-pass hypothesis's guessed token) is computed as the same token in the
+        # context would be, adapters off: training never puts one there, and sync drafting has it in the context.
+        clean = ~layout.is_slot[:, n:] if layout.clean_block_rows else None
         if frozen_context and torch.is_grad_enabled() and 0 < n < input_ids.shape[1]:
             keys = DynamicCache()
             with torch.no_grad():
                 context = self.model(input_ids[:, :n], None, layout.position_ids[:, :n], mask[..., :n, :n], keys, n)
             blocks = self.model(
-                input_ids[:, n:], layout.is_slot[:, n:], layout.position_ids[:, n:], mask[..., n:, :], keys, 0
+                input_ids[:, n:], layout.is_slot[:, n:], layout.position_ids[:, n:], mask[..., n:, :], keys, 0, clean
             )
             hidden = torch.cat([context, blocks], dim=1)
         else:
-            hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, cache, n)
+            hidden = self.model(input_ids, layout.is_slot, layout.position_ids, mask, cache, n, clean)
         if self.config.shifted_slots:
             hidden = hidden.gather(1, _shifted_index(layout)[..., None].expand_as(hidden))
         if isinstance(logits_to_keep, int):
