@@ -89,7 +89,7 @@ def _target_cache(target: PreTrainedModel, kind: str, max_len: int) -> Cache:
         return DynamicCache()
     if kind != "static":
         raise ValueError(f"cache_implementation must be 'dynamic' or 'static', got {kind!r}")
-    if any("flash" in kind for kind in attention_implementations(target)):
+    if any("flash" in impl for impl in attention_implementations(target)):
         # flash kernels take no mask here: they would attend over the whole preallocated buffer
         raise ValueError("cache_implementation='static' needs sdpa or eager attention; use 'dynamic' with flash")
     cache = StaticCache(config=target.config, max_cache_len=max_len)
