@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -47,13 +48,10 @@ def open_up(path: Path, umask: int | None = None) -> None:
     path.chmod((path.stat().st_mode & 0o7777) | ((0o777 if path.is_dir() else 0o666) & ~umask))
 
 
-def _writer_alive(suffix: str) -> bool:
-    """Whether the scratch folder named ``.<out>-<pid>-<random>`` belongs to a process still running here."""
-    pid = suffix.split("-", 1)[0]
-    if not pid.isdigit():
-        return False  # not one of ours, or from an older version: nobody is writing it
+def _writer_alive(pid: int) -> bool:
+    """Whether process ``pid``, the writer named in a scratch folder ``.<out>-<pid>-<random>``, still runs here."""
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -92,8 +90,12 @@ def atomic_folder(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new folder")
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}-*"):  # scratch copies of runs that were killed mid-write
-        if not _writer_alive(stale.name[len(out.name) + 2 :]):
+    # Scratch copies of runs killed mid-write (no pid in the name: an older version's). Matched whole:
+    # ".X-whole-<pid>-..." is the live scratch copy of a sibling output "X-whole", not one of X's.
+    scratch = re.compile(rf"\.{re.escape(out.name)}-(?:(\d+)-)?[a-z0-9_]+")
+    for stale in out.parent.glob(f".{out.name}-*"):
+        match = scratch.fullmatch(stale.name)
+        if match and not (match.group(1) and _writer_alive(int(match.group(1)))):
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-{os.getpid()}-", dir=out.parent))
     umask = _current_umask()

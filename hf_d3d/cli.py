@@ -204,7 +204,13 @@ def _whole_lm_drafter(
     from hf_d3d.modeling.modeling_d3d import D3DDrafterModel
     from hf_d3d.targets import DEFAULT_TARGET, load_target
 
-    source = target if lm == "target" else load_target(lm)[0]
+    if lm == "target":
+        source = target
+    else:
+        source, lm_tokenizer = load_target(lm)
+        if tokenizer_fingerprint(lm_tokenizer) != tokenizer_fingerprint(tokenizer):
+            # vocab sizes can agree (Llama-2 and Mistral: 32000) while the tokens differ: drafts would be nonsense
+            raise ValueError(f"{lm} has another tokenizer than the target (vocabulary fingerprint differs)")
     base = (target_id or DEFAULT_TARGET) if lm == "target" else lm
     n = source.config.get_text_config().num_hidden_layers
     adapters = {}
@@ -222,13 +228,15 @@ def _whole_lm_drafter(
 
 
 def _cmd_convert(args: argparse.Namespace) -> None:
+    from hf_d3d.atomic import atomic_folder
     from hf_d3d.checks import check_pair
     from hf_d3d.targets import load_target
 
     target, tokenizer = load_target(args.target)
     drafter = _whole_lm_drafter(args.lm, args.target, target, tokenizer, args.block_size)
     check_pair(target, drafter, tokenizer)
-    drafter.save_pretrained(args.out)
+    with atomic_folder(args.out, overwrite=True) as tmp:  # an interrupted convert leaves no half-written folder
+        drafter.save_pretrained(tmp)
     n = drafter.config.num_hidden_layers
     print(f"{n}-layer drafter converted from {args.lm} (shifted slots, block {args.block_size}) saved to {args.out}")
 

@@ -116,6 +116,8 @@ def exact_verification(target: PreTrainedModel, batched_linears: bool = False) -
         return
     if impl != "sdpa":
         raise ValueError(f"exact verification wraps sdpa attention; this target uses {impl!r}")
+    if not batched_linears:
+        _refuse_other_matmuls(target)
     generate = target.generate
 
     def generate_exact(*args, **kwargs):
@@ -143,6 +145,25 @@ def exact_verification(target: PreTrainedModel, batched_linears: bool = False) -
             yield target
         finally:
             target.set_attn_implementation(impl)
+
+
+def _refuse_other_matmuls(target: PreTrainedModel) -> None:
+    """Only ``nn.Linear`` modules are split into rows: a weight matrix held by anything else (GPT-2's ``Conv1D``,
+    the stacked experts of a mixture-of-experts layer) would multiply a verify forward's rows together."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target  # a VLM's vision tower only prefills
+    others = sorted(
+        {
+            type(module).__name__
+            for module in decoder.modules()
+            if not isinstance(module, (nn.Linear, nn.Embedding))
+            and any(p.dim() >= 2 for p in module.parameters(recurse=False))
+        }
+    )
+    if others:
+        raise ValueError(
+            f"exact verification computes nn.Linear layers row by row; {others} would multiply several rows at "
+            "once, so a verified row could differ from a decode step's bits"
+        )
 
 
 class _Verifying:

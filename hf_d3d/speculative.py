@@ -154,6 +154,8 @@ def _plan(
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):  # not decoded greedily in its place
         raise ValueError(f"D3D speculative decoding runs greedy decoding or sampling, not {mode.value}")
+    if getattr(config, "assistant_ensemble_weight", None) is not None:
+        raise ValueError("assistant_ensemble_weight verifies against a target/draft mixture; D3D is lossless only")
     check_pair(target, drafter)
     exact = is_exact(target)
     kind = config.cache_implementation or "dynamic"

@@ -115,6 +115,20 @@ def test_omitting_needs_a_base_and_a_stored_tensor_missing_is_refused(tmp_path):
         D3DDrafterModel.from_pretrained(tmp_path / "small")
 
 
+def test_a_checkpoint_without_a_checksum_still_refuses_to_save_a_changed_base_away(tmp_path):
+    """Checkpoints made before checksums were recorded (the shipped -whole one): the base fetched at load stands in."""
+    _, drafter = _adapter_drafter("llama", tmp_path / "base")
+    drafter.config.base_model_checksum = None
+    drafter.save_pretrained(tmp_path / "small", omit_base_weights=True)
+    loaded = D3DDrafterModel.from_pretrained(tmp_path / "small", base_model_revision="other")
+    assert loaded.config.base_model_checksum is None and loaded.base_unchanged()
+    assert loaded.config.base_model_revision is None  # a one-off override is not what a save records
+    with torch.no_grad():
+        loaded.model.layers[0].mlp.down_proj.weight.data.mul_(1.5)
+    with pytest.raises(ValueError, match="base weights changed"):
+        loaded.save_pretrained(tmp_path / "again", omit_base_weights=True)
+
+
 def test_a_changed_base_is_not_saved_away(tmp_path):
     from hf_d3d.prune import prune
     from hf_d3d.train.trainer import TrainConfig, save_final

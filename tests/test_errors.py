@@ -155,9 +155,12 @@ def test_atomic_folder_leaves_a_running_writers_scratch_alone(tmp_path):
     killed.mkdir()
     running.mkdir()
     (running / "half.safetensors").write_text("being written")
+    # a sibling output's scratch copy, whose writer is dead or alive: "model-whole" is not "model"
+    sibling = tmp_path / f".model-whole-{int(dead.stdout)}-abc"
+    sibling.mkdir()
     with atomic_folder(tmp_path / "model") as tmp:
         (tmp / "a").write_text("done")
-    assert not killed.exists() and (running / "half.safetensors").exists()
+    assert not killed.exists() and (running / "half.safetensors").exists() and sibling.exists()
     assert [p.name for p in (tmp_path / "model").iterdir()] == ["a"]
 
 

@@ -185,6 +185,22 @@ def test_context_restores_the_target_and_refuses_what_it_cannot_make_exact():
     assert EXACT_ATTENTION not in ("sdpa", "eager")
 
 
+def test_targets_with_matmuls_outside_linears_are_refused():
+    """Stacked expert weights are multiplied outside nn.Linear, so their verify rows would not be split."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           attn_implementation="sdpa")  # fmt: skip
+    moe = MixtralForCausalLM(config)
+    with pytest.raises(ValueError, match="row by row.*Experts"):
+        with exact_verification(moe):
+            pass
+    assert moe.config._attn_implementation == "sdpa" and "generate" not in moe.__dict__
+    with exact_verification(moe, batched_linears=True):  # batched linears claim nothing per row
+        pass
+
+
 @settings(max_examples=25)
 @given(prompt=prompts(24), max_new=st.integers(1, 40))
 def test_exact_draft_trees_equal_plain_bf16(oracle, prompt, max_new):

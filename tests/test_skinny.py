@@ -137,6 +137,31 @@ def test_onednn_packs_once_and_again_when_the_weight_changes(monkeypatch):
         torch.testing.assert_close(made(x), F.linear(x, made.weight, made.bias))
 
 
+@pytest.mark.skipif(not skinny_mod.ONEDNN, reason="this torch build has no oneDNN")
+def test_a_weight_written_through_data_between_calls_is_packed_again():
+    """``weight.data`` writes (PEFT's merge_adapter) bump no version counter: a pack kept from an earlier call
+    would compute the old weights in verify forwards while decode steps use the new ones."""
+    lin = nn.Linear(6, 5)
+    x = torch.randn(3, 6)
+    with torch.no_grad(), skinny_linears(lin):
+        lin(x)
+    lin.weight.data.mul_(2)
+    with torch.no_grad(), skinny_linears(lin):
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_a_nested_block_puts_back_the_mark_it_found():
+    from hf_d3d.cpu.skinny import no_skinny_linears
+
+    model = nn.Linear(4, 4)
+    model.generation_config = GenerationConfig()
+    with no_skinny_linears(model):
+        with skinny_linears(model):
+            assert model.generation_config.d3d_skinny is True
+        assert model.generation_config.d3d_skinny is False
+    assert not hasattr(model.generation_config, "d3d_skinny")
+
+
 def test_onednn_check_ignores_the_default_dtype():
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -206,9 +231,9 @@ def test_fast_loop_takes_the_skinny_path_and_stays_lossless(kernel, monkeypatch)
     rows_seen = []
     real = skinny_mod._skinny_forward
 
-    def counting(module, x, max_rows, min_rows=2):
+    def counting(module, x, **kwargs):
         rows_seen.append(x.numel() // x.shape[-1])
-        return real(module, x, max_rows, min_rows)
+        return real(module, x, **kwargs)
 
     monkeypatch.setattr(skinny_mod, "_skinny_forward", counting)
     x = torch.tensor([[5, 6, 7, 8, 9]])
@@ -276,6 +301,25 @@ def test_assisted_generate_gives_only_the_verify_forwards_few_row_linears(kernel
         assert torch.equal(target.generate(x, assistant_model=drafter, **kw), ref)
     assert len(seen) > 2 and not any(patched for _, patched in seen)
     assert not hasattr(target.generation_config, "d3d_skinny")
+
+
+@pytest.mark.skipif(not skinny_mod.ONEDNN, reason="this torch build has no oneDNN")
+def test_assisted_generate_sees_weights_merged_through_data_since_the_last_call():
+    """A LoRA merged into the target between two calls (PEFT writes ``base_layer.weight.data``): the second call's
+    verify forwards compute the merged weights, as its decode steps do."""
+    target = tiny_target("llama")
+    drafter = make_drafter(target, block_size=4)
+    x = torch.tensor([[5, 6, 7, 8, 9]])
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=24, eos_token_id=None)
+    target.generate(x, assistant_model=drafter, **kw)  # packs the target's linears
+    torch.manual_seed(1)
+    for layer in target.model.layers:
+        layer.mlp.down_proj.weight.data += 0.5 * torch.randn_like(layer.mlp.down_proj.weight)
+    seen = _spy_forwards(target)
+    out = target.generate(x, assistant_model=drafter, **kw)
+    assert any(patched for _, patched in seen)  # the verify forwards did use the packed few-row kernel
+    target._forward_hooks.clear()
+    assert torch.equal(out, target.generate(x, **kw))
 
 
 def test_a_verify_forward_that_raises_leaves_no_few_row_linears_behind():

@@ -318,6 +318,16 @@ def test_fast_loop_refuses_what_it_cannot_keep_lossless():
     # another decoding mode is refused, not decoded greedily in its place
     with pytest.raises(ValueError, match="greedy decoding or sampling, not contrastive_search"):
         speculative_generate(target, drafter, x, max_new_tokens=4, penalty_alpha=0.6, top_k=4)
+    # transformers' ensemble verification accepts against a target/draft mixture: on every path, refused
+    mask = torch.ones_like(x)
+    for run in (
+        lambda: speculative_generate(target, drafter, x, max_new_tokens=4, assistant_ensemble_weight=0.5),
+        lambda: target.generate(x, attention_mask=mask, assistant_model=drafter, assistant_ensemble_weight=0.5),
+        lambda: target.generate(x, attention_mask=mask, custom_generate=d3d_generate, drafter=drafter,
+                                assistant_ensemble_weight=0.5),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match="assistant_ensemble_weight"):
+            run()
     # model inputs beyond the ids would be dropped: embeddings (here with no ids at all), images, token types
     with pytest.raises(ValueError, match=r"input_ids \(and attention_mask\) alone, got \['inputs_embeds'\]"):
         target.generate(

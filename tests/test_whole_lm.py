@@ -277,3 +277,27 @@ def test_frozen_context_is_refused_where_it_would_lose_gradients():
         d3d_loss(drafter, batch, frozen_context=True)
     with pytest.raises(ValueError, match="use_cache=False"):
         drafter(batch.input_ids, layout=batch.layout, use_cache=True, frozen_context=True)
+
+
+def test_convert_refuses_an_lm_with_another_tokenizer_of_the_same_size(tmp_path, capsys):
+    """Equal vocab sizes are not one tokenizer (Llama-2 and Mistral both have 32000 tokens): convert compares them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_d3d.cli import main
+
+    def save(folder, words):
+        tiny_target("llama").save_pretrained(folder)
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=words[0], eos_token=words[EOS]).save_pretrained(folder)
+
+    save(tmp_path / "target", [str(i) for i in range(VOCAB)])
+    save(tmp_path / "same", [str(i) for i in range(VOCAB)])
+    save(tmp_path / "other", [f"w{i}" for i in range(VOCAB)])
+    args = ["convert", "--target", str(tmp_path / "target"), "--block-size", "4", "--lm"]
+    assert main([*args, str(tmp_path / "other"), "--out", str(tmp_path / "bad")]) == 2
+    assert "another tokenizer than the target" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    assert main([*args, str(tmp_path / "same"), "--out", str(tmp_path / "good")]) == 0
+    assert D3DDrafterModel.from_pretrained(tmp_path / "good").config.num_hidden_layers == 3  # every layer

@@ -564,6 +564,9 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     if first:
         target = assisting_target()
         refuse_round_end_stops(*assisted_stopping_criteria())
+        if getattr(config, "assistant_ensemble_weight", None) is not None:
+            # transformers then accepts against a mixture of target and draft: no longer the target's own output
+            raise ValueError("assistant_ensemble_weight verifies against a target/draft mixture; D3D is lossless only")
         exact = getattr(config, "d3d_prefill_alone", False)
         skinny = getattr(config, "d3d_skinny", None)  # True: the caller's skinny_linears block; False: not wanted
         # Verifying a few rows costs nearly a decode step per row with fp32 CPU GEMMs; the drafter gives the target's

@@ -462,8 +462,13 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
                 "acceptance may be lower",
                 stacklevel=2,
             )
+        if with_base and model.config.base_model_checksum is None:
+            # An older checkpoint records no checksum: keep the fetched base's, so that a save without the base
+            # weights still refuses a base trained since (it would be replaced by the original at load).
+            model._base_checksum_at_load = model.base_checksum()
         if stored and stored.get("base_model"):  # base_model= at load says where to fetch from, not what to save
             model.config.base_model = stored["base_model"]
+            model.config.base_model_revision = stored.get("base_model_revision")
         return (model, info) if want_info else model
 
     def base_weight_names(self) -> list[str]:
@@ -491,13 +496,16 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         return super().save_pretrained(save_directory, *args, **kwargs)
 
     def base_unchanged(self) -> bool:
-        """False only when ``config.base_model_checksum`` is known and the base weights no longer match it (up to
-        the rounding of a bf16 or fp16 copy): a base that was trained must be saved, not fetched."""
+        """False only when the base weights no longer match ``config.base_model_checksum`` (or, for a checkpoint
+        that records none, the base fetched at load), up to the rounding of a bf16 or fp16 copy: a base that was
+        trained must be saved, not fetched."""
         return self._base_drift() is None
 
     def _base_drift(self) -> tuple[float, float] | None:
         """(checksum now, checksum recorded) when they differ by more than 0.1%, else None."""
         want = self.config.base_model_checksum
+        if want is None:
+            want = getattr(self, "_base_checksum_at_load", None)
         if want is None:
             return None
         have = self.base_checksum()

@@ -6,7 +6,8 @@ that repacks the whole weight on every call: a SmolLM2-135M forward over 2-13 ro
 two CPUs this was measured on. Within the fast loop, plain fp32 ``nn.Linear`` modules of the target and drafter on
 CPU therefore compute inputs of 2..``max_rows`` rows in all (verify forwards; also short prefills and small-batch
 decode steps inside the block) with a kernel that does not: oneDNN's linear over a weight packed once into its own
-layout (kept, per module, for as long as the weight is unchanged: as much memory again as the fp32 weights), or,
+layout (kept for one ``generate`` call or one :func:`skinny_linears` block: as much memory again as the fp32 weights
+meanwhile, freed after), or,
 in a build without oneDNN, ``(W @ x.T).T`` (the few rows as the GEMM's columns). One row (a decode step) and longer
 inputs are untouched, so plain decoding is not sped up. The values are the same product, rounded differently: as
 with any batched verify forward, not bit-identical to a decode step (:mod:`hf_d3d.exact` is the bitwise mode and
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SKINNY_ROWS = 16
+_ABSENT = object()
 
 
 def _onednn_available() -> bool:
@@ -47,23 +49,24 @@ def _onednn_available() -> bool:
 
 
 ONEDNN = _onednn_available()
-# module -> (its weight's storage (weakly), layout and version when packed, the packed weight). Kept while the module
-# lives, so that each fast-loop call does not pack the whole model again (as much memory again as its fp32 linear
-# weights); replaced when the weight changes, dropped with the module.
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[weakref.ref, tuple, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def packed_weight(module: nn.Linear) -> torch.Tensor:
-    """``module.weight`` in oneDNN's linear layout, packed on first use and again whenever the weight changes."""
+def packed_weight(module: nn.Linear, packs: dict) -> torch.Tensor:
+    """``module.weight`` in oneDNN's linear layout, packed on first use and again whenever the weight changes.
+
+    ``packs`` (module -> its weight's storage (weakly), layout and version when packed, the packed weight) lives as
+    long as one :func:`few_row_forwards` collection: one ``generate`` call, or one :func:`skinny_linears` block. A
+    write through ``weight.data`` between two calls (PEFT's ``merge_adapter``) bumps no version counter, so a pack
+    kept for the module's lifetime could go stale unseen; one per call cannot."""
     w = module.weight
     storage = w.untyped_storage()
     # The storage itself, not its address: a moved or re-cast weight frees its old storage, and a new one may get the
     # same address. The version counter catches in-place writes (inference tensors have none, nor in-place use).
     layout = (w.storage_offset(), w.stride(), w.shape, w.dtype, -1 if w.is_inference() else w._version)
-    held = _PACKED.get(module)
+    held = packs.get(module)
     if held is None or held[0]() is not storage or held[1] != layout:
         held = (weakref.ref(storage), layout, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
-        _PACKED[module] = held
+        packs[module] = held
     return held[2]
 
 
@@ -79,12 +82,13 @@ def _onednn_applies(module: nn.Linear, x: torch.Tensor) -> bool:
     )
 
 
-def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int, min_rows: int = 2) -> torch.Tensor:
+def _skinny_forward(module: nn.Linear, x: torch.Tensor, max_rows: int, min_rows: int, packs: dict) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not min_rows <= rows <= max_rows:
         return F.linear(x, module.weight, module.bias)
     if _onednn_applies(module, x):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(module), module.bias, "none", [], "")
+        weight = packed_weight(module, packs)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, module.bias, "none", [], "")
     out = (module.weight @ x.reshape(rows, -1).T).T.contiguous()  # row-major again: sdpa's fast kernels need it
     if module.bias is not None:
         out = out + module.bias.to(out.dtype)  # autocast may have computed the product in a lower precision
@@ -112,9 +116,11 @@ def skinny_linears(*models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: in
 def few_row_forwards(
     *models: nn.Module, max_rows: int = SKINNY_ROWS, min_rows: int = 2
 ) -> list[tuple[nn.Linear, functools.partial]]:
-    """The plain fp32 CPU ``nn.Linear`` modules of ``models``, each with the forward :func:`skinny_linears` gives it."""
+    """The plain fp32 CPU ``nn.Linear`` modules of ``models``, each with the forward :func:`skinny_linears` gives it;
+    their packed weights live as long as the list does."""
+    packs: dict = {}
     return [
-        (m, functools.partial(_skinny_forward, m, max_rows=max_rows, min_rows=min_rows))
+        (m, functools.partial(_skinny_forward, m, max_rows=max_rows, min_rows=min_rows, packs=packs))
         for model in models
         for m in model.modules()
         if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
@@ -129,9 +135,11 @@ def patched_forwards(
     every round; ``models``' generation configs carry ``d3d_skinny`` meanwhile."""
     patched: list[tuple[nn.Linear, functools.partial]] = []
     configs = [getattr(m, "generation_config", None) for m in dict.fromkeys(models)]
-    marked = [c for c in configs if c is not None and not getattr(c, "d3d_skinny", False)]
+    # what each mark was before (absent, or False under no_skinny_linears), to put back as it was
+    marked = [(c, getattr(c, "d3d_skinny", _ABSENT)) for c in configs if c is not None]
+    marked = [(c, before) for c, before in marked if before is not True]
     try:
-        for config in marked:
+        for config, _ in marked:
             config.d3d_skinny = True
         # a plain instance attribute, set in __dict__: nn.Module.__setattr__'s checks would cost more, every round
         for module, forward in forwards:
@@ -143,8 +151,11 @@ def patched_forwards(
         for module, ours in patched:
             if module.__dict__.get("forward") is ours:  # never drop a forward someone else installed meanwhile
                 del module.__dict__["forward"]
-        for config in marked:
-            del config.d3d_skinny
+        for config, before in marked:
+            if before is _ABSENT:
+                del config.d3d_skinny
+            else:
+                config.d3d_skinny = before
 
 
 def skinny_next_forward(model: nn.Module, forwards: list[tuple[nn.Linear, functools.partial]] | None = None) -> None:
