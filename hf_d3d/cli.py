@@ -17,13 +17,17 @@ def _sliced(source: str, skip: int, count: int) -> str:
 def _cmd_distill(args: argparse.Namespace) -> None:
     import torch
 
-    from hf_d3d.prompts import load_prompts
+    from hf_d3d.prompts import load_prompts, without_heldout_variants
     from hf_d3d.targets import load_target
     from hf_d3d.train.distill import DistillConfig, distill
 
     prompts = load_prompts(args.prompts, args.field, args.num_prompts, skip=args.skip_prompts)
     # The slice is part of the source, so two folders from one prompt set say which prompts each holds.
     source = args.source_name or _sliced(args.prompts, args.skip_prompts, len(prompts))
+    if args.prompts in ("sharegpt:train", "sharegpt:code"):
+        prompts, near = without_heldout_variants(prompts)
+        if near:
+            print(f"{near} prompts that differ from a held-aside one only in case, spacing or punctuation left out")
     if args.backend == "vllm" and args.device not in ("auto", "cuda"):
         raise ValueError("--device applies to the transformers backend; vLLM places the model itself")
     if args.backend == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here

@@ -105,6 +105,22 @@ def _sharegpt_split(part: str, limit: int | None) -> list[str]:
     return out
 
 
+# Prompt sets that measure drafters: answers to them must never be trained on.
+EVALUATION_SOURCES = ("gsm8k:test", "gsm8k", "humaneval", "sharegpt:heldout", "sharegpt")
+
+
+def _near_key(text: str) -> str:
+    return " ".join(re.findall(r"\w+", text.casefold()))
+
+
+def without_heldout_variants(prompts: list[str]) -> tuple[list[str], int]:
+    """``prompts`` less any that equal a held-aside ShareGPT prompt up to case, spacing and punctuation ("hi" and
+    "Hi", which the split, distinct by exact text, puts on both sides), and how many that left out."""
+    held = {_near_key(p) for p in _sharegpt_split("heldout", None)}
+    kept = [p for p in prompts if _near_key(p) not in held]
+    return kept, len(prompts) - len(kept)
+
+
 def load_prompts(source: str, field: str = "question", limit: int | None = None, skip: int = 0) -> list[str]:
     """Prompts from ``gsm8k:train``, ``gsm8k:test``, ``humaneval``, ``sharegpt`` (all first turns, in order),
     ``sharegpt:heldout`` / ``sharegpt:train`` / ``sharegpt:code`` (the fixed split) or a JSONL path with ``field``.

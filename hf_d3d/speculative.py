@@ -154,6 +154,11 @@ def _plan(
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):  # not decoded greedily in its place
         raise ValueError(f"D3D speculative decoding runs greedy decoding or sampling, not {mode.value}")
+    if config.return_dict_in_generate or (config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            "speculative_generate returns one sequence of token ids: return_dict_in_generate=False and "
+            "num_return_sequences=1"
+        )
     if getattr(config, "assistant_ensemble_weight", None) is not None:
         raise ValueError("assistant_ensemble_weight verifies against a target/draft mixture; D3D is lossless only")
     check_pair(target, drafter)
@@ -255,6 +260,9 @@ def speculative_generate(
     if config.min_new_tokens is not None:
         config.min_length = input_ids.shape[1] + config.min_new_tokens
     procs = _processors(target, config, input_ids, logits_processor, stopping_criteria)
+    eos_stops = [c for c in stopping_criteria or [] if isinstance(c, EosTokenCriteria)]
+    if eos_stops:  # as in plain generate, a caller's EOS criterion replaces the config's as the stop (not in procs)
+        config.eos_token_id = sorted({i for c in eos_stops for i in c.eos_token_id.reshape(-1).tolist()})
     if fused:
         from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
 

@@ -195,6 +195,31 @@ def test_sampled_draft_length_depends_on_the_distributions_only():
     assert len(drafts) > 20
 
 
+def test_sampled_draft_length_ignores_how_far_the_draws_let_the_draft_run():
+    """A processor that rules out every token after some drawn tokens ends the draft there (a stopping time, which
+    keeps sampling exact); the cost cut must still be chosen over the whole block, or whether a token is proposed
+    would depend on its own value."""
+    target = tiny_target("llama", vocab=16, seed=3)
+    drafter = make_drafter(target, block_size=6)
+    # k = 1 beats k = 2 or 3, the whole block beats them all: a cut judged on a draft the draws ended at 2 or 3
+    # slots would keep 1
+    drafter.config.round_cost = {"cpu": [1.0, 1.3, 1.3, 1.3, 1.3, 0.5]}
+    x = torch.tensor([[4, 5, 6, 7]])
+
+    def after_odd_nothing(ids, scores):  # the slot after an odd drafted token has nothing proposable
+        return torch.full_like(scores, float("-inf")) if ids.shape[1] > x.shape[1] and ids[0, -1] % 2 else scores
+
+    torch.manual_seed(0)
+    cut_short = 0
+    for _ in range(100):
+        gen = D3DCandidateGenerator(drafter, LogitsProcessorList([after_odd_nothing]), do_sample=True)
+        draft = gen.get_candidates(x)[0][0, x.shape[1] :].tolist()
+        assert all(t % 2 == 0 for t in draft[:-1])  # the draws end it only at an odd token
+        assert len(draft) == 6 or draft[-1] % 2  # and nothing else does: the cost cut is the whole block
+        cut_short += len(draft) in (2, 3)
+    assert cut_short > 5
+
+
 def test_costs_measured_with_few_row_linears_go_with_them(oracle):
     from hf_d3d import skinny_linears
 

@@ -85,6 +85,26 @@ def test_greedy_is_lossless_and_drafts_stay_in_the_draft_vocab(family, block, pr
     assert set(drafted) <= set(VOCAB_IDS)
 
 
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_remove_invalid_values_never_draws_outside_the_draft_vocab(do_sample):
+    """InfNanRemoveLogitsProcessor turns the -inf outside the draft vocabulary into a finite minimum; a draft token
+    from there would crash the async packed pass, which indexes by the draft vocabulary."""
+    from transformers.generation import InfNanRemoveLogitsProcessor
+
+    drafter = restricted(TARGETS["llama"])
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[VOCAB_IDS] = True
+
+    def ban_the_draft_vocab(ids, scores):  # say bad words that cover it
+        return scores.masked_fill(allowed, float("-inf"))
+
+    procs = LogitsProcessorList([ban_the_draft_vocab, InfNanRemoveLogitsProcessor()])
+    x = torch.tensor([[5, 9, 17]])
+    for _ in range(5):
+        draft = D3DCandidateGenerator(drafter, procs, do_sample=do_sample).get_candidates(x)[0][0, x.shape[1] :]
+        assert set(draft.tolist()) <= set(VOCAB_IDS)
+
+
 def test_sampling_is_lossless_when_the_target_favours_tokens_the_drafter_cannot_propose():
     target = tiny_target("qwen3", vocab=12, seed=5)
     drafter = make_drafter(target, block_size=2)

@@ -86,3 +86,29 @@ def test_demo_and_space_make_no_outside_requests(monkeypatch):
     assert blocks.analytics_enabled is False
     monkeypatch.delenv("GRADIO_ANALYTICS_ENABLED")  # restore what the test changed
     monkeypatch.delenv("HF_HUB_DISABLE_TELEMETRY", raising=False)
+
+
+def test_sharegpt_training_slices_leave_out_variants_of_held_aside_prompts():
+    """The split is distinct by exact text, so "hi" can be held aside while "Hi" is a train prompt; distill drops
+    such variants from training slices."""
+    from hf_d3d.prompts import without_heldout_variants
+
+    held = load_prompts("sharegpt:heldout")
+    train = load_prompts("sharegpt:train", limit=500)
+    assert len(held) == 256 and not {p.strip() for p in held} & {p.strip() for p in train}
+    variant = "  " + held[3].upper().replace(" ", "   ") + " !"
+    kept, dropped = without_heldout_variants([train[0], variant, "a prompt of its own, 7f3a"])
+    assert kept == [train[0], "a prompt of its own, 7f3a"] and dropped == 1
+
+
+def test_training_refuses_answers_to_evaluation_prompts(tmp_path):
+    from hf_d3d.train.distill import load_records
+    from hf_d3d.train.token_file import write_token_file
+
+    records = [{"prompt_ids": [5, 6], "response_ids": [7, 8]}]
+    for source in ("sharegpt:heldout[0:20]", "gsm8k:test", "humaneval", "sharegpt"):
+        path = write_token_file(records, tmp_path / "eval.safetensors", 64, {"target": "tiny", "source": source})
+        with pytest.raises(ValueError, match="an evaluation set"):
+            load_records(path)
+    path = write_token_file(records, tmp_path / "train.safetensors", 64, {"target": "tiny", "source": "gsm8k:train"})
+    assert len(load_records(path)) == 1

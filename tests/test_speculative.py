@@ -318,6 +318,10 @@ def test_fast_loop_refuses_what_it_cannot_keep_lossless():
     # another decoding mode is refused, not decoded greedily in its place
     with pytest.raises(ValueError, match="greedy decoding or sampling, not contrastive_search"):
         speculative_generate(target, drafter, x, max_new_tokens=4, penalty_alpha=0.6, top_k=4)
+    # one sequence of ids is what the fast loop returns: other output shapes are refused, not ignored
+    for setting in (dict(return_dict_in_generate=True), dict(num_return_sequences=2, do_sample=True)):
+        with pytest.raises(ValueError, match="one sequence of token ids"):
+            speculative_generate(target, drafter, x, max_new_tokens=4, **setting)
     # transformers' ensemble verification accepts against a target/draft mixture: on every path, refused
     mask = torch.ones_like(x)
     for run in (
@@ -384,6 +388,8 @@ def test_a_callers_eos_or_length_criterion_is_kept_as_generate_keeps_it():
             x, stopping_criteria=crit, eos_token_id=eos, custom_generate=d3d_generate, drafter=drafter, **kw
         )
         assert torch.equal(out, ref)
+        direct = speculative_generate(target, drafter, x, stopping_criteria=crit, eos_token_id=eos, max_new_tokens=20)
+        assert torch.equal(direct, ref)  # called directly, too
         with pytest.raises(ValueError, match=r"(EosToken|MaxLength)Criteria\(.*custom_generate=hf_d3d.d3d_generate"):
             target.generate(x, stopping_criteria=crit, eos_token_id=eos, assistant_model=drafter, **kw)
     # eos_token_id=None stops on no EOS, though the target's generation config names one

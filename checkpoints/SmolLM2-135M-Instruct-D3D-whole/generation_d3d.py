@@ -333,10 +333,11 @@ class D3DCandidateGenerator(CandidateGenerator):
         logits = logits[:, :k]
         draft, scores = self._choose(input_ids, logits)
         if self.round_cost is not None and draft.shape[1] > self.min_draft:
-            # Judged on the drafter's own distributions, never on the drawn tokens: a cut that looked at a sampled
-            # token would bias which tokens reach verification, and speculative sampling would no longer be exact.
-            confidence = logits[0, : draft.shape[1]].softmax(-1).amax(-1).tolist()
-            keep = max(draft_length(confidence, self.round_cost), self.min_draft)
+            # Judged on the drafter's own distributions over the whole block, never on the drawn tokens: a cut that
+            # looked at a sampled token (or at how far the draws let the draft run) would bias which tokens reach
+            # verification, and speculative sampling would no longer be exact.
+            confidence = logits[0].softmax(-1).amax(-1).tolist()
+            keep = max(min(draft_length(confidence, self.round_cost), draft.shape[1]), self.min_draft)
             draft, scores = draft[:, :keep], scores[:, :keep]
             # Hard stretches of text come in runs: after a round that found nothing worth verifying, the next 1, 2,
             # 4 .. rounds skip the drafter too (its cache catches up when it drafts again); a draft resets the count.
@@ -520,13 +521,16 @@ class D3DCandidateGenerator(CandidateGenerator):
             return self._tokens(logits.argmax(-1)), self._full(logits)
         logits = self._full(logits)  # processors and sampling index by token id
         # uniform over the tokens the drafter can propose (its draft vocabulary), which the packed pass indexes by
-        stand_in = torch.where(torch.isfinite(logits[:, 0]), 0.0, float("-inf"))
+        in_vocab = torch.isfinite(logits[:, 0])
+        stand_in = torch.where(in_vocab, 0.0, float("-inf"))
         seq = input_ids
         scores = torch.empty_like(logits)
         proposable = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
         for i in range(logits.shape[1]):
             # Processors such as repetition penalty read the tokens drafted so far, as they will at verification.
             scores[:, i] = self.logits_processor(seq, logits[:, i])
+            if self._vocab is not None:  # a processor may lift -inf (remove_invalid_values): never off-vocabulary
+                scores[:, i] = scores[:, i].masked_fill(~in_vocab, float("-inf"))
             # A row with no finite score (processors ruled out every token the drafter can propose, e.g. bad words
             # within a draft vocabulary) ends the draft. The cut is made after the loop, so the host reads the
             # device once per round; meanwhile such a row draws from a harmless uniform stand-in.

@@ -22,6 +22,7 @@ from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrain
 
 from hf_d3d.atomic import write_json_atomic
 from hf_d3d.checks import tokenizer_fingerprint as fingerprint_of
+from hf_d3d.prompts import EVALUATION_SOURCES
 
 RECORDS = "records.jsonl"
 META = "meta.json"
@@ -124,6 +125,12 @@ def load_records(
                 provenance = json.load(f)
             with open(source / RECORDS, encoding="utf-8") as f:
                 batch = [json.loads(line) for line in f]
+        asked = str(provenance.get("source", "")).split("[", 1)[0].split(",", 1)[0].strip()
+        if asked in EVALUATION_SOURCES:
+            raise ValueError(
+                f"{source} answers {asked!r}, an evaluation set: a drafter trained on it would be measured on "
+                "prompts it has seen; distil gsm8k:train, sharegpt:train or sharegpt:code"
+            )
         name = Path(provenance.get("target", "")).name
         sampled = bool(provenance.get("do_sample", False))
         targets.setdefault(name, source)
