@@ -646,7 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         required=True,
         help="gsm8k:train, gsm8k:test, humaneval, sharegpt (or its splits sharegpt:train, sharegpt:code, "
-        "sharegpt:heldout) or a JSONL path",
+        "sharegpt:heldout) or a JSONL path; answers to gsm8k:test, humaneval, sharegpt and sharegpt:heldout are "
+        "evaluation data that train refuses, and sharegpt:train/code slices leave out variants of held-aside prompts",
     )
     p.add_argument("--field", default="question", help="JSONL field holding the prompt")
     p.add_argument("--num-prompts", type=int, default=None)
@@ -697,7 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         required=True,
         nargs="+",
-        help="finished `hf-d3d distill` folders or token files from `hf-d3d pack-data` (repeats dropped)",
+        help="finished `hf-d3d distill` folders or token files from `hf-d3d pack-data` (repeats dropped; data "
+        "distilled from an evaluation set is refused)",
     )
     p.add_argument("--out", required=True)
     p.add_argument("--init-from", default=None, help="start from this drafter instead of copying target layers")
@@ -943,7 +945,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convert", help="convert a whole pretrained LM (the target, or a same-tokenizer sibling) into a D3D drafter"
     )
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--lm", default="target", help="'target' or a same-tokenizer LM's Hub id or folder")
+    p.add_argument(
+        "--lm", default="target", help="'target' or a same-tokenizer LM's Hub id or folder (tokenizers compared)"
+    )
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_convert)

@@ -104,7 +104,8 @@ def exact_verification(target: PreTrainedModel, batched_linears: bool = False) -
 
     Covers ``target.generate`` with ``assistant_model=`` (a D3D drafter, or any assistant transformers drafts with
     through a candidate generator) or ``prompt_lookup_num_tokens=``, and :func:`hf_d3d.speculative_generate`, for
-    batch size 1 without padding and a dynamic cache. Single rows and prefills are computed exactly as before, so
+    batch size 1 without padding and a dynamic cache, and targets whose weight matrices are all ``nn.Linear`` (others
+    are refused unless ``batched_linears=True``). Single rows and prefills are computed exactly as before, so
     plain decoding is unchanged; but any other multi-row forward after a cache (a chunked prefill, a reused chat
     cache) is computed row by row too, which is slower and, in bf16, not bitwise what it was.
     ``batched_linears=True`` computes the linears of a verify forward over all its rows at once: faster, and exact

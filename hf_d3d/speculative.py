@@ -228,7 +228,9 @@ def speculative_generate(
     ``top_k`` says otherwise). ``max_new_tokens`` defaults to the config's, else what a set ``max_length`` leaves,
     else 128. The logits processors are the ones ``generate`` builds for those settings, with ``logits_processor``
     merged in as ``generate`` merges it; settings that need stopping criteria (``stop_strings``, ``max_time``) are
-    refused unless ``stopping_criteria`` is passed (:func:`d3d_generate` builds them all). Each round
+    refused unless ``stopping_criteria`` is passed (:func:`d3d_generate` builds them all); a caller's
+    ``EosTokenCriteria`` there replaces the config's EOS as the stop, as in ``generate``. ``return_dict_in_generate``,
+    ``num_return_sequences`` > 1 and ``assistant_ensemble_weight`` are refused. Each round
     drafts up to ``drafter.generation_config.num_assistant_tokens`` tokens (fewer where the drafter's measured
     ``round_cost`` says the rest do not pay); the call's statistics (every round counted) are in
     ``drafter.last_stats``. ``on_round(draft, accepted, committed)`` is called after each verification (the Space

@@ -103,7 +103,8 @@ def load_records(
     One answer never counts twice: a greedy answer to a prompt that already has one is dropped (it is the same
     answer, up to batch numerics), and so is any answer read before. A sampled source (``do_sample`` in its
     provenance) adds new answers to prompts a greedy source answered: the target's distribution, not a repeat.
-    Sources distilled from differently named targets are refused: they would teach the drafter two models.
+    Sources distilled from differently named targets are refused: they would teach the drafter two models, and so
+    are sources whose provenance names an evaluation set (``hf_d3d.prompts.EVALUATION_SOURCES``).
     """
     from hf_d3d.train.token_file import read_token_file
 
