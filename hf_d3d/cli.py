@@ -371,20 +371,24 @@ def _update_metrics(drafter: str | None, row: dict, always: dict | None = None, 
     measured tau and takes ``always`` (with no ``always``, ``row`` replaces it). ``target``: the model the rows were
     measured on, which the card names as the drafter's ``base_model`` (a drafter converted from a sibling LM names
     that LM in its config)."""
+    from filelock import FileLock
+
     from hf_d3d.atomic import write_json_atomic
     from hf_d3d.targets import DEFAULT_DRAFTER
 
     path = Path(drafter or DEFAULT_DRAFTER) / "d3d_metrics.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    if target is not None:
-        old["base_model"] = target
-    rows = old.get("rows", [])
-    known = [r for r in rows if r["dataset"] == row["dataset"]]
-    if known and always is not None:
-        known[0].update(always)
-    else:
-        rows = [r for r in rows if r["dataset"] != row["dataset"]] + [{**row, **(always or {})}]
-    write_json_atomic(path, {**old, "rows": rows})
+    # two measurements of one drafter (the docs run two at once) must not drop each other's rows
+    with FileLock(str(path.with_name(f".{path.name}.lock"))):
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        if target is not None:
+            old["base_model"] = target
+        rows = old.get("rows", [])
+        known = [r for r in rows if r["dataset"] == row["dataset"]]
+        if known and always is not None:
+            known[0].update(always)
+        else:
+            rows = [r for r in rows if r["dataset"] != row["dataset"]] + [{**row, **(always or {})}]
+        write_json_atomic(path, {**old, "rows": rows})
     return path
 
 
@@ -416,6 +420,8 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids
 
+    if args.write_metrics and args.drafter and not Path(args.drafter).is_dir():  # before the run, not after it
+        raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
     device = _device(args.device)
     target, tokenizer = load_target(args.target, device=device)
     drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"), device=device)
@@ -442,9 +448,12 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
         res = measure_tau(target, drafter, ids, args.max_new_tokens, progress=True)
         skip = f" --skip-prompts {args.skip_prompts}" if args.skip_prompts else ""
+        # a bf16 drafter's tau on a CPU moves with the thread count (other sums, other near-ties)
+        threads = f"OMP_NUM_THREADS={torch.get_num_threads()} " if target.device.type == "cpu" else ""
+        named = f" --target {_shown(args.target)}" if args.target else ""
         command = (
-            f"hf-d3d eval-tau --drafter {_shown(args.drafter)} --prompts {source} --num-prompts {args.num_prompts}"
-            f"{skip} --max-new-tokens {args.max_new_tokens}{mode}"
+            f"{threads}hf-d3d eval-tau{named} --drafter {_shown(args.drafter)} --prompts {source} "
+            f"--num-prompts {args.num_prompts}{skip} --max-new-tokens {args.max_new_tokens}{mode}"
         )
         rows.append(
             {

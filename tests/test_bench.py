@@ -188,6 +188,13 @@ def test_a_device_that_is_not_there_is_refused_up_front(command, monkeypatch, ca
     assert cli._device_flag(torch.device("cpu")) == "" and cli._device_flag(torch.device("cuda")) == " --device cuda"
 
 
+def test_eval_tau_refuses_to_write_metrics_into_a_hub_id_before_measuring(capsys):
+    from hf_d3d import cli
+
+    assert cli.main(["eval-tau", "--drafter", "org/some-drafter", "--write-metrics"]) == 2
+    assert "needs a local drafter folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
 def test_balanced_orders_balance_positions_and_predecessors(n):
     from collections import Counter

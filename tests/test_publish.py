@@ -178,6 +178,25 @@ def test_metrics_rows_merge_by_dataset(tmp_path):
     assert json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"][-1]["speedup"] == 1.05
 
 
+def test_concurrent_metric_writes_keep_every_row(tmp_path):
+    """Two measurements of one drafter at once (the docs run two eval-tau processes side by side)."""
+    import threading
+
+    from hf_d3d.cli import _update_metrics
+
+    def write(name):
+        for i in range(15):
+            _update_metrics(str(tmp_path), {"dataset": f"{name}{i}", "tau": 1.0, "command": "c"})
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
+    assert sorted(r["dataset"] for r in rows) == sorted(f"{n}{i}" for n in "ab" for i in range(15))
+
+
 def test_space_asks_for_the_transformers_versions_the_package_supports():
     """The Space installs its own requirements (hf_d3d/ copied beside app.py until hf-d3d is on PyPI): a range
     wider than the package's would build a Space on a transformers the suite never ran."""

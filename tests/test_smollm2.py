@@ -209,6 +209,7 @@ def test_eval_tau_measures_a_later_slice_and_names_it(pair, tmp_path):
     row = next(r for r in load_metrics(folder)["rows"] if r["dataset"].startswith("gsm8k:test[3:4]"))
     assert "(float32)" in row["dataset"]  # beside, not over, a row of the drafter as it loads
     assert "--num-prompts 1 --skip-prompts 3 --max-new-tokens 8 --drafter-dtype float32" in row["command"]
+    assert row["command"].startswith(f"OMP_NUM_THREADS={torch.get_num_threads()} hf-d3d eval-tau --drafter")
     assert row["drafter_dtype"] == "float32"
     drafter = load_drafter(str(folder), dtype=torch.float32)  # as the command loads it
     drafter.config.round_cost = None  # as --fixed-length sets it
