@@ -262,9 +262,9 @@ def speculative_generate(
     if config.min_new_tokens is not None:
         config.min_length = input_ids.shape[1] + config.min_new_tokens
     procs = _processors(target, config, input_ids, logits_processor, stopping_criteria)
-    eos_stops = [c for c in stopping_criteria or [] if isinstance(c, EosTokenCriteria)]
-    if eos_stops:  # as in plain generate, a caller's EOS criterion replaces the config's as the stop (not in procs)
-        config.eos_token_id = sorted({i for c in eos_stops for i in c.eos_token_id.reshape(-1).tolist()})
+    criteria_eos = _criteria_eos(stopping_criteria)
+    if criteria_eos:  # as in plain generate, a caller's EOS criterion replaces the config's as the stop (not in procs)
+        config.eos_token_id = criteria_eos
     if fused:
         from hf_d3d.fused import fused_generate  # fused reuses this module's stopping rules
 
@@ -466,8 +466,6 @@ def d3d_generate(
     generation_config.cache_implementation = _cache_kind(generation_config.cache_implementation)
     # Plain generate stops on its EOS criteria, which a caller's EosTokenCriteria replaces: the loop stops on those
     # ids, not on the config's. Passed as an argument, since a None in the config would be refilled from the target's.
-    eos_stops = [c for c in stopping_criteria or [] if isinstance(c, EosTokenCriteria)]
-    eos_ids = sorted({i for c in eos_stops for i in c.eos_token_id.reshape(-1).tolist()}) or None
     return speculative_generate(
         model,
         drafter,
@@ -479,8 +477,14 @@ def d3d_generate(
         logits_processor=_CompleteProcessors(logits_processor),
         stopping_criteria=stopping_criteria,
         fused=fused,
-        eos_token_id=eos_ids,
+        eos_token_id=_criteria_eos(stopping_criteria),
     )
+
+
+def _criteria_eos(stopping_criteria) -> list[int] | None:
+    """The ids of the ``EosTokenCriteria`` among ``stopping_criteria`` (``None`` if there is none)."""
+    stops = [c for c in stopping_criteria or [] if isinstance(c, EosTokenCriteria)]
+    return sorted({i for c in stops for i in c.eos_token_id.reshape(-1).tolist()}) or None
 
 
 class _AfterPrompt:
