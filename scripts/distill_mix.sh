@@ -31,3 +31,7 @@ ${PYTHON:-.venv/bin/python} scripts/unanswered_prompts.py --prompts gsm8k:train 
 $D3D distill --prompts "$OUT/gsm8k_train_1000_rest.jsonl" \
     --source-name "gsm8k:train[1000:3000], the 1,296 questions gsm8k_train_1000 does not answer" \
     "${COMMON[@]}" --batch-size 64 --out "$OUT/gsm8k_train_1000_rest"
+# GSM8K train 2000-7472: a sampled second answer (bf16, batches of 64); finished early with --finish-partial at
+# 3,456 answers and packed as gsm8k_train_2000_t07; the same command without it goes on with the rest
+$D3D distill --prompts gsm8k:train --skip-prompts 2000 --num-prompts 5473 --do-sample --temperature 0.7 --seed 2 \
+    "${COMMON[@]}" --batch-size 64 --out "$OUT/gsm8k_train_2000_t07"
