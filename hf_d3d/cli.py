@@ -367,27 +367,33 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _update_metrics(drafter: str | None, row: dict, always: dict | None = None, target: str | None = None) -> Path:
-    """Merge ``row`` into DRAFTER/d3d_metrics.json by dataset: a new dataset gets ``row``, a known one keeps its
-    measured tau and takes ``always`` (with no ``always``, ``row`` replaces it). ``target``: the model the rows were
-    measured on, which the card names as the drafter's ``base_model`` (a drafter converted from a sibling LM names
-    that LM in its config)."""
+    """Merge ``row`` into DRAFTER/d3d_metrics.json by dataset. Every row records the SHA-256 of the weights it
+    measured. A known dataset measured on the same weights keeps its tau and takes ``always`` (the bench's speedup),
+    or, with no ``always``, takes ``row`` and keeps its speedup; measured on other weights, it is replaced whole.
+    ``target``: the model the rows were measured on, which the card names as the drafter's ``base_model`` (a drafter
+    converted from a sibling LM names that LM in its config)."""
     from filelock import FileLock
 
     from hf_d3d.atomic import write_json_atomic
+    from hf_d3d.publish import weights_sha256
     from hf_d3d.targets import DEFAULT_DRAFTER
 
-    path = Path(drafter or DEFAULT_DRAFTER) / "d3d_metrics.json"
+    folder = Path(drafter or DEFAULT_DRAFTER)
+    path = folder / "d3d_metrics.json"
+    row = {**row, **(always or {}), "weights_sha256": weights_sha256(folder)}
     # two measurements of one drafter (the docs run two at once) must not drop each other's rows
     with FileLock(str(path.with_name(f".{path.name}.lock"))):
         old = json.loads(path.read_text()) if path.is_file() else {}
         if target is not None:
             old["base_model"] = target
         rows = old.get("rows", [])
-        known = [r for r in rows if r["dataset"] == row["dataset"]]
-        if known and always is not None:
-            known[0].update(always)
+        known = next((r for r in rows if r["dataset"] == row["dataset"]), None)
+        same = known is not None and known.get("weights_sha256") == row["weights_sha256"]
+        if same and always is not None:
+            known.update(always)
         else:
-            rows = [r for r in rows if r["dataset"] != row["dataset"]] + [{**row, **(always or {})}]
+            speed = {k: v for k, v in known.items() if k.startswith("speedup")} if same else {}
+            rows = [r for r in rows if r["dataset"] != row["dataset"]] + [{**row, **speed}]
         write_json_atomic(path, {**old, "rows": rows})
     return path
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
@@ -30,8 +32,22 @@ class PublishError(RuntimeError):
     pass
 
 
+def weights_sha256(checkpoint: str | Path) -> str | None:
+    """SHA-256 of the checkpoint's ``model.safetensors`` (None without one): what ties a measured row to the weights
+    it measured."""
+    path = Path(checkpoint) / "model.safetensors"
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def load_metrics(checkpoint: Path) -> dict:
-    """The measured numbers a card must carry; a card without them is refused."""
+    """The measured numbers a card must carry; a card without them, or with a row measured on other weights, is
+    refused."""
     path = checkpoint / METRICS
     if not path.is_file():
         raise PublishError(f"{path} is missing: measure the drafter first (`hf-d3d eval-tau`); no card without numbers")
@@ -39,6 +55,19 @@ def load_metrics(checkpoint: Path) -> dict:
     rows = metrics.get("rows") or []
     if not rows or any("tau" not in r or "command" not in r for r in rows):
         raise PublishError(f"{path} has no measured rows with tau and the command that produced them")
+    sha = weights_sha256(checkpoint)
+    stale = [r["dataset"] for r in rows if r.get("weights_sha256", sha) != sha]
+    if stale:
+        raise PublishError(
+            f"{path}: the rows for {', '.join(stale)} were measured on other weights than {checkpoint}'s "
+            "model.safetensors; measure this drafter again (`hf-d3d eval-tau --write-metrics`) or drop the rows"
+        )
+    unbound = [r["dataset"] for r in rows if "weights_sha256" not in r]
+    if unbound:  # rows written before measurements recorded the weights' checksum
+        warnings.warn(
+            f"{path}: the rows for {', '.join(unbound)} do not record which weights they measured",
+            stacklevel=2,
+        )
     return metrics
 
 

@@ -106,7 +106,7 @@ def test_training_refuses_answers_to_evaluation_prompts(tmp_path):
     from hf_d3d.train.token_file import write_token_file
 
     records = [{"prompt_ids": [5, 6], "response_ids": [7, 8]}]
-    for source in ("sharegpt:heldout[0:20]", "gsm8k:test", "humaneval", "sharegpt"):
+    for source in ("sharegpt:heldout[0:20]", "gsm8k:test", "humaneval", "sharegpt", "gsm8k:train[0:5], humaneval"):
         path = write_token_file(records, tmp_path / "eval.safetensors", 64, {"target": "tiny", "source": source})
         with pytest.raises(ValueError, match="an evaluation set"):
             load_records(path)

@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 
 from conftest import make_drafter, tiny_target
 from hf_d3d.cli import main
-from hf_d3d.publish import METRICS, PublishError, assemble, publish
+from hf_d3d.publish import METRICS, PublishError, assemble, publish, weights_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,6 +40,7 @@ def checkpoint(tmp_path):
         "datasets": ["openai/gsm8k"],
         "rows": [{"dataset": "gsm8k:test", "tau": 1.23, "command": "hf-d3d eval-tau --drafter ckpt"}],
     }
+    metrics["rows"][0]["weights_sha256"] = weights_sha256(tmp_path / "ckpt")
     (tmp_path / "ckpt" / METRICS).write_text(json.dumps(metrics))
     return tmp_path / "ckpt"
 
@@ -159,23 +160,52 @@ def test_publish_without_token_or_network_fails_clearly(checkpoint, tmp_path, mo
     assert main(["publish", str(checkpoint), "--repo-id", "someone/x", "--folder", str(tmp_path / "hub2")]) == 2
 
 
-def test_metrics_rows_merge_by_dataset(tmp_path):
+def test_metrics_rows_merge_by_dataset_and_weights(tmp_path):
     from hf_d3d.cli import _update_metrics
 
+    (tmp_path / "model.safetensors").write_bytes(b"weights one")
+    first = weights_sha256(tmp_path)
     tau_row = {"dataset": "gsm8k:test", "tau": 1.8, "command": "hf-d3d eval-tau ..."}
     _update_metrics(str(tmp_path), tau_row)
     _update_metrics(str(tmp_path), {"dataset": "humaneval", "tau": 1.1, "command": "c"})
     bench_row = {"dataset": "gsm8k:test", "tau": 1.7, "command": "hf-d3d bench ..."}
-    _update_metrics(str(tmp_path), bench_row, {"speedup": 1.2, "speedup_command": "hf-d3d bench ..."})
+    speed = {"speedup": 1.2, "speedup_command": "hf-d3d bench ..."}
+    _update_metrics(str(tmp_path), bench_row, speed)
     rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
-    # the bench adds its speedup to the measured row; eval-tau's tau and command stay
-    assert rows[0] == {**tau_row, "speedup": 1.2, "speedup_command": "hf-d3d bench ..."}
+    # the bench adds its speedup to the row measured on the same weights; eval-tau's tau and command stay
+    assert rows[0] == {**tau_row, "weights_sha256": first, **speed}
     _update_metrics(str(tmp_path), {"dataset": "gsm8k:test", "tau": 1.9, "command": "again"})
     rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
+    assert rows[1] == {"dataset": "gsm8k:test", "tau": 1.9, "command": "again", "weights_sha256": first, **speed}
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights two")  # a new stage saved into the same folder
+    _update_metrics(str(tmp_path), {"dataset": "gsm8k:test", "tau": 2.0, "command": "new"})
+    rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
     assert [r["dataset"] for r in rows] == ["humaneval", "gsm8k:test"]
-    assert "speedup" not in rows[1]  # a new tau measurement drops a speedup measured for an older drafter
-    _update_metrics(str(tmp_path), {"dataset": "sharegpt", "tau": 1.3, "command": "b"}, {"speedup": 1.05})
-    assert json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"][-1]["speedup"] == 1.05
+    assert "speedup" not in rows[1]  # measured for the older weights
+    _update_metrics(str(tmp_path), {"dataset": "humaneval", "tau": 1.4, "command": "hf-d3d bench"}, {"speedup": 1.05})
+    rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
+    # the old weights' tau is not kept beside a speedup of the new ones: the bench's row replaces it whole
+    assert rows[-1] == {"dataset": "humaneval", "tau": 1.4, "command": "hf-d3d bench", "speedup": 1.05,
+                        "weights_sha256": weights_sha256(tmp_path)}  # fmt: skip
+
+
+def test_publishing_refuses_rows_measured_on_other_weights(checkpoint):
+    from hf_d3d.cli import _update_metrics
+    from hf_d3d.publish import load_metrics
+
+    metrics = json.loads((checkpoint / "d3d_metrics.json").read_text())
+    del metrics["rows"][0]["weights_sha256"]  # a row written before rows recorded it
+    (checkpoint / "d3d_metrics.json").write_text(json.dumps(metrics))
+    with pytest.warns(UserWarning, match="do not record which weights"):
+        load_metrics(checkpoint)
+    _update_metrics(str(checkpoint), {"dataset": "humaneval", "tau": 1.5, "command": "hf-d3d eval-tau ..."})
+    rows = json.loads((checkpoint / "d3d_metrics.json").read_text())["rows"]
+    assert rows[-1]["weights_sha256"] == weights_sha256(checkpoint) is not None
+    with open(checkpoint / "model.safetensors", "ab") as f:  # weights changed after they were measured
+        f.write(b" ")
+    with pytest.raises(PublishError, match="the rows for humaneval were measured on other weights"):
+        load_metrics(checkpoint)
 
 
 def test_concurrent_metric_writes_keep_every_row(tmp_path):

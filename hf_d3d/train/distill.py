@@ -126,8 +126,10 @@ def load_records(
                 provenance = json.load(f)
             with open(source / RECORDS, encoding="utf-8") as f:
                 batch = [json.loads(line) for line in f]
-        asked = str(provenance.get("source", "")).split("[", 1)[0].split(",", 1)[0].strip()
-        if asked in EVALUATION_SOURCES:
+        # every part of a mixed source ("gsm8k:train,humaneval"), each without its slice
+        parts = [part.split("[", 1)[0].strip() for part in str(provenance.get("source", "")).split(",")]
+        asked = next((part for part in parts if part in EVALUATION_SOURCES), None)
+        if asked is not None:
             raise ValueError(
                 f"{source} answers {asked!r}, an evaluation set: a drafter trained on it would be measured on "
                 "prompts it has seen; distil gsm8k:train, sharegpt:train or sharegpt:code"
