@@ -261,3 +261,34 @@ def test_a_jsonl_extract_of_a_named_set_keeps_its_provenance(tmp_path):
     assert main(["pack-data", "--data", str(tmp_path / "d"), "--out-dir", str(tmp_path / "packed")]) == 0
     _, provenance = read_token_file(tmp_path / "packed" / "d.safetensors")
     assert provenance["source"] == name and "see the prompt source" not in provenance["prompt_licence"]
+
+
+def test_space_streams_both_sides_and_times_them_alike(monkeypatch):
+    """The Space shows D3D's answer round by round while it decodes, as it shows plain decoding token by token, and
+    its final numbers come from the two finished calls."""
+    import importlib.util
+    from pathlib import Path
+
+    import huggingface_hub.constants
+
+    from hf_d3d.demo import DEFAULT_PROMPT
+
+    # the app switches telemetry and analytics off process-wide; restore both for the tests that follow
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("space_app", root / "examples" / "space" / "app.py")
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    monkeypatch.setattr(app, "UPDATE_EVERY", 0.01)
+    states = list(app.run(DEFAULT_PROMPT, 48))
+    plain, d3d_html, stats = states[-1]
+    assert "**identical**: yes" in stats and "**tau**" in stats
+    partial = [h for _, h, s in states if s == "*D3D decoding ...*" and "span" in h]
+    # shown while decoding, each a beginning of the whole
+    assert partial and len(partial[0]) < len(d3d_html)
+    assert all(d3d_html.startswith(h.removesuffix("</div>")) for h in partial)
+    assert all(p == plain for p, _, s in states if s == "*D3D decoding ...*")  # plain's answer stays on the page
+    broken = list(app.run("   ", 8))
+    assert len(broken) == 1 and "Input error" in broken[0][2]

@@ -52,8 +52,43 @@ def _stats(plain_tps: float, d3d_tps: float, tau: float, identical: bool) -> str
     )
 
 
+UPDATE_EVERY = 0.05  # seconds between page updates while either side decodes: the same for both
+
+
+def _start(job, on_error=None) -> tuple[threading.Thread, dict]:
+    """Run ``job()`` in a worker thread, timing the call there (the page is updated beside it); the dict gets
+    ``out`` and ``seconds``, or ``error``."""
+    result: dict = {}
+
+    def work():
+        try:
+            start = time.perf_counter()
+            result["out"] = job()
+            result["seconds"] = time.perf_counter() - start
+        except Exception as err:  # reported by the page; a streamer must still end, or the page waits forever
+            result["error"] = err
+            if on_error is not None:
+                on_error()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    return worker, result
+
+
+def _failed(side: str, err: Exception) -> str:
+    return f"**{side} decoding failed:** {html.escape(f'{type(err).__name__}: {err}')}"
+
+
+def _d3d_html(pieces: list[str]) -> str:
+    body = "".join(pieces)
+    return f'<div style="white-space:pre-wrap;word-break:break-word;font-family:monospace">{body}</div>'
+
+
 def run(prompt: str, max_new_tokens: float):
-    """Stream plain decoding, then D3D decoding of the same prompt; yields (plain, d3d_html, stats)."""
+    """Stream plain decoding, then D3D decoding of the same prompt; yields (plain, d3d_html, stats).
+
+    Both sides decode in a worker thread, timed there, while the page shows their text at most every
+    ``UPDATE_EVERY`` seconds: each side pays the same for being watched."""
     try:
         ids = validate_request(prompt, int(max_new_tokens or 0), TOKENIZER, CONTEXT)
     except (ValueError, TypeError) as err:
@@ -62,37 +97,28 @@ def run(prompt: str, max_new_tokens: float):
     x = torch.tensor([ids])
     max_new = int(max_new_tokens)
 
-    # plain greedy generate, streamed from a worker thread
+    # plain greedy generate, streamed token by token
     streamer = TextIteratorStreamer(TOKENIZER, skip_prompt=True, skip_special_tokens=True)
-    result = {}
-
-    def plain_job():
-        try:
-            start = time.perf_counter()  # the generate call (the page reads its stream beside it)
-            result["plain"] = TARGET.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, streamer=streamer, **GREEDY
-            )
-            result["seconds"] = time.perf_counter() - start
-        except Exception as err:  # reported below; the streamer must still end, or the page waits forever
-            result["error"] = err
-            streamer.end()
-
-    worker = threading.Thread(target=plain_job)
-    worker.start()
-    text = ""
+    worker, plain = _start(
+        lambda: TARGET.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, streamer=streamer, **GREEDY
+        ),
+        on_error=streamer.end,
+    )
+    text, shown = "", 0.0
     for piece in streamer:
         text += piece
-        yield text, "", "*plain decoding ...*"
+        if time.perf_counter() - shown >= UPDATE_EVERY:
+            shown = time.perf_counter()
+            yield text, "", "*plain decoding ...*"
     worker.join()
-    if "error" in result:
-        err = result["error"]
-        yield text, "", f"**Plain decoding failed:** {html.escape(f'{type(err).__name__}: {err}')}"
+    if "error" in plain:
+        yield text, "", _failed("Plain", plain["error"])
         return
-    plain_seconds = result["seconds"]
-    plain_new = result["plain"].shape[1] - x.shape[1]
-    plain_tps = plain_new / plain_seconds
+    yield text, "", "*D3D decoding ...*"
 
-    # D3D fast loop; each round reports its draft, how much was accepted and what was committed
+    # D3D fast loop, streamed round by round: each round reports its draft, how much was accepted and what the
+    # target committed
     pieces: list[str] = []
     rounds = {"n": 0}
     view = DraftView(TOKENIZER)
@@ -101,15 +127,22 @@ def run(prompt: str, max_new_tokens: float):
         rounds["n"] += 1
         pieces.extend(_span(text, kind) for text, kind in view.round(draft, accepted, committed))
 
-    start = time.perf_counter()
-    out = speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new, on_round=on_round, **GREEDY)
-    d3d_seconds = time.perf_counter() - start
-    d3d_new = out.shape[1] - x.shape[1]
-    identical = bool(torch.equal(out, result["plain"]))
+    worker, d3d = _start(
+        lambda: speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new, on_round=on_round, **GREEDY)
+    )
+    while worker.is_alive():
+        worker.join(UPDATE_EVERY)
+        if worker.is_alive():
+            yield text, _d3d_html(list(pieces)), "*D3D decoding ...*"
+    if "error" in d3d:
+        yield text, _d3d_html(pieces), _failed("D3D", d3d["error"])
+        return
+    plain_new = plain["out"].shape[1] - x.shape[1]
+    d3d_new = d3d["out"].shape[1] - x.shape[1]
+    identical = bool(torch.equal(d3d["out"], plain["out"]))
     tau = d3d_new / max(rounds["n"], 1)
-    body = "".join(pieces)
-    d3d_html = f'<div style="white-space:pre-wrap;word-break:break-word;font-family:monospace">{body}</div>'
-    yield text, d3d_html, _stats(plain_tps, d3d_new / d3d_seconds, tau, identical)
+    stats = _stats(plain_new / plain["seconds"], d3d_new / d3d["seconds"], tau, identical)
+    yield text, _d3d_html(pieces), stats
 
 
 def build() -> gr.Blocks:
