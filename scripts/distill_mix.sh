@@ -32,6 +32,17 @@ $D3D distill --prompts "$OUT/gsm8k_train_1000_rest.jsonl" \
     --source-name "gsm8k:train[1000:3000], the 1,296 questions gsm8k_train_1000 does not answer" \
     "${COMMON[@]}" --batch-size 64 --out "$OUT/gsm8k_train_1000_rest"
 # GSM8K train 2000-7472: a sampled second answer (bf16, batches of 64); finished early with --finish-partial at
-# 3,456 answers and packed as gsm8k_train_2000_t07; the same command without it goes on with the rest
-$D3D distill --prompts gsm8k:train --skip-prompts 2000 --num-prompts 5473 --do-sample --temperature 0.7 --seed 2 \
-    "${COMMON[@]}" --batch-size 64 --out "$OUT/gsm8k_train_2000_t07"
+# 3,456 answers and packed as gsm8k_train_2000_t07. Where its run folder is kept, the same command without that flag
+# goes on with the rest; where it is gone (a new machine), the questions no committed sampled answer covers are
+# answered with another seed.
+if [ -d "$OUT/gsm8k_train_2000_t07" ] || [ ! -f data/distill/SmolLM2-135M-Instruct/gsm8k_train_2000_t07.safetensors ]; then
+  $D3D distill --prompts gsm8k:train --skip-prompts 2000 --num-prompts 5473 --do-sample --temperature 0.7 --seed 2 \
+      "${COMMON[@]}" --batch-size 64 --out "$OUT/gsm8k_train_2000_t07"
+else
+  ${PYTHON:-.venv/bin/python} scripts/unanswered_prompts.py --prompts gsm8k:train --skip-prompts 2000 \
+      --num-prompts 5473 --sampled --data data/distill/SmolLM2-135M-Instruct/gsm8k_train_2000_t07.safetensors \
+      --out "$OUT/gsm8k_train_2000_t07_rest.jsonl"
+  $D3D distill --prompts "$OUT/gsm8k_train_2000_t07_rest.jsonl" --do-sample --temperature 0.7 --seed 3 \
+      --source-name "gsm8k:train[2000:7473], the questions gsm8k_train_2000_t07 does not answer" \
+      "${COMMON[@]}" --batch-size 64 --out "$OUT/gsm8k_train_2000_t07_rest"
+fi

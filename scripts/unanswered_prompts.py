@@ -1,4 +1,5 @@
-"""Write the prompts of a slice that given distillation data does not answer greedily, as JSONL for `hf-d3d distill`.
+"""Write the prompts of a slice that given distillation data does not answer greedily (or, with `--sampled`, with a
+sampled answer), as JSONL for `hf-d3d distill`.
 
 A distillation run works shortest prompt first, so a run cut short leaves its slice's longest prompts unanswered;
 this extract lets a new run answer exactly those (pass `--source-name` naming the slice, so the licence is kept):
@@ -29,13 +30,13 @@ def _sampled(source: str) -> bool:
     return bool(json.loads((Path(source) / META).read_text(encoding="utf-8")).get("do_sample"))
 
 
-def unanswered(prompts: list[str], tokenizer, target: str, *data: str) -> list[str]:
-    """The prompts (in order) with no greedy answer in ``data``, which must be ``target``'s: a sampled answer is
-    another draw beside a greedy one, not in place of it."""
+def unanswered(prompts: list[str], tokenizer, target: str, *data: str, sampled: bool = False) -> list[str]:
+    """The prompts (in order) with no greedy answer in ``data`` (with ``sampled``, no sampled one), which must be
+    ``target``'s: a sampled answer is another draw beside a greedy one, not in place of it."""
     answered = set()
     for source in data:
         records = load_records(source, target=target, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
-        if not _sampled(source):
+        if _sampled(source) == sampled:
             answered.update(tuple(r["prompt_ids"]) for r in records)
     return [p for p in prompts if tuple(chat_prompt_ids(tokenizer, p)) not in answered]
 
@@ -48,12 +49,15 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--data", nargs="+", required=True, help="token files or finished distill folders")
     parser.add_argument("--target", default=None, help="the target whose chat template the data used")
+    parser.add_argument(
+        "--sampled", action="store_true", help="the prompts with no sampled answer (a cut-short --do-sample run)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     target = resolve_target(args.target)
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = load_prompts(args.prompts, args.field, args.num_prompts, args.skip_prompts)
-    rest = unanswered(prompts, tokenizer, target, *args.data)
+    rest = unanswered(prompts, tokenizer, target, *args.data, sampled=args.sampled)
     write_text_atomic(args.out, "".join(json.dumps({args.field: p}) + "\n" for p in rest))
     print(f"{len(rest)} of {len(prompts)} prompts have no answer in the data -> {args.out}")
 

@@ -899,6 +899,11 @@ def test_unanswered_prompts_are_those_no_greedy_answer_covers(tmp_path):
     drawn = {"target": "tiny", "do_sample": True}
     sampled = write_token_file(answers(1, 2), tmp_path / "t07.safetensors", VOCAB, drawn)
     assert script.unanswered(prompts, tokenizer, "org/tiny", str(greedy), str(sampled)) == prompts[1:]
+    # a cut-short sampled run goes on with the prompts no sampled answer covers, greedy answers or not
+    assert script.unanswered(prompts, tokenizer, "org/tiny", str(greedy), str(sampled), sampled=True) == [
+        prompts[0],
+        prompts[3],
+    ]
     other = write_token_file(answers(3), tmp_path / "other.safetensors", VOCAB, {"target": "Other-LM"})
     with pytest.raises(ValueError, match="distilled from 'Other-LM'"):
         script.unanswered(prompts, tokenizer, "org/tiny", str(other))
