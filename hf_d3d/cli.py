@@ -272,6 +272,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
         if args.dtype != "float32" or args.exact:
             raise ValueError("--write-metrics records the card's fp32 speedup; leave out --dtype and --exact")
+    measured = _weights_before(args) if args.write_metrics else None
     # a mixed set: --num-prompts from each comma-separated source
     prompts = [p for source in args.prompts.split(",") for p in load_prompts(source, args.field, args.num_prompts)]
     import torch
@@ -362,16 +363,31 @@ def _cmd_bench(args: argparse.Namespace) -> None:
             cpu if on_cpu else str(target.device)
         ) + ", `target.generate(assistant_model=drafter)` as the card loads it"
         speed = {"speedup": hub["speedup"], "speedup_command": result["command"], "speedup_setting": where}
-        path = _update_metrics(args.drafter, row, speed, target=args.target or DEFAULT_TARGET)
+        path = _update_metrics(args.drafter, row, speed, target=args.target or DEFAULT_TARGET, measured=measured)
         print(f"updated {path}")
 
 
-def _update_metrics(drafter: str | None, row: dict, always: dict | None = None, target: str | None = None) -> Path:
+def _weights_before(args: argparse.Namespace) -> str | None:
+    """The SHA-256 of the drafter's weights as a measurement starts, which its rows record."""
+    from hf_d3d.publish import weights_sha256
+    from hf_d3d.targets import DEFAULT_DRAFTER
+
+    return weights_sha256(args.drafter or DEFAULT_DRAFTER)
+
+
+def _update_metrics(
+    drafter: str | None,
+    row: dict,
+    always: dict | None = None,
+    target: str | None = None,
+    measured: str | None = None,
+) -> Path:
     """Merge ``row`` into DRAFTER/d3d_metrics.json by dataset. Every row records the SHA-256 of the weights it
-    measured. A known dataset measured on the same weights keeps its tau and takes ``always`` (the bench's speedup),
-    or, with no ``always``, takes ``row`` and keeps its speedup; measured on other weights, it is replaced whole.
-    ``target``: the model the rows were measured on, which the card names as the drafter's ``base_model`` (a drafter
-    converted from a sibling LM names that LM in its config)."""
+    measured (``measured``, taken as the measurement started; refused if the file changed since). A known dataset
+    measured on the same weights keeps its tau and takes ``always`` (the bench's speedup), or, with no ``always``,
+    takes ``row`` and keeps its speedup; measured on other weights, it is replaced whole. ``target``: the model the
+    rows were measured on, which the card names as the drafter's ``base_model`` (a drafter converted from a sibling
+    LM names that LM in its config)."""
     from filelock import FileLock
 
     from hf_d3d.atomic import write_json_atomic
@@ -380,15 +396,21 @@ def _update_metrics(drafter: str | None, row: dict, always: dict | None = None, 
 
     folder = Path(drafter or DEFAULT_DRAFTER)
     path = folder / "d3d_metrics.json"
-    row = {**row, **(always or {}), "weights_sha256": weights_sha256(folder)}
     # two measurements of one drafter (the docs run two at once) must not drop each other's rows
     with FileLock(str(path.with_name(f".{path.name}.lock"))):
+        sha = weights_sha256(folder)
+        if measured is not None and sha != measured:
+            raise ValueError(
+                f"{folder}/model.safetensors changed while it was measured (a save into the folder): "
+                "the rows are not written; measure it again"
+            )
+        row = {**row, **(always or {}), "weights_sha256": sha}
         old = json.loads(path.read_text()) if path.is_file() else {}
         if target is not None:
             old["base_model"] = target
         rows = old.get("rows", [])
         known = next((r for r in rows if r["dataset"] == row["dataset"]), None)
-        same = known is not None and known.get("weights_sha256") == row["weights_sha256"]
+        same = known is not None and sha is not None and known.get("weights_sha256") == sha
         if same and always is not None:
             known.update(always)
         else:
@@ -428,6 +450,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
 
     if args.write_metrics and args.drafter and not Path(args.drafter).is_dir():  # before the run, not after it
         raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
+    measured = _weights_before(args) if args.write_metrics else None
     device = _device(args.device)
     target, tokenizer = load_target(args.target, device=device)
     drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"), device=device)
@@ -475,7 +498,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         print(f"{rows[-1]['dataset']}: tau {res['tau']:.3f} over {len(ids)} prompts ({res['new_tokens']} tokens){hit}")
     if args.write_metrics:
         for row in rows:
-            path = _update_metrics(args.drafter, row, target=args.target or DEFAULT_TARGET)
+            path = _update_metrics(args.drafter, row, target=args.target or DEFAULT_TARGET, measured=measured)
         print(f"updated {path}")
 
 

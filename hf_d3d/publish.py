@@ -212,8 +212,8 @@ def assemble(checkpoint: str | Path, out_dir: str | Path, repo_id: str) -> Path:
     if stale:
         # Users load a repo's own copy of the code: one that differs from what was tested is refused, not uploaded.
         raise PublishError(
-            f"{checkpoint}: {', '.join(stale)} differs from the installed hf_d3d's remote code; re-save the drafter "
-            "with this version (D3DDrafterModel.from_pretrained(path).save_pretrained(path)) before publishing"
+            f"{checkpoint}: {', '.join(stale)} differs from the installed hf_d3d's remote code; copy "
+            f"{MODELING}/{{{','.join(stale)}}} into it before publishing (the weights and their measured rows stay)"
         )
     metrics = load_metrics(checkpoint)
     card = render_card(checkpoint, repo_id, metrics)

@@ -178,7 +178,9 @@ def test_metrics_rows_merge_by_dataset_and_weights(tmp_path):
     rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
     assert rows[1] == {"dataset": "gsm8k:test", "tau": 1.9, "command": "again", "weights_sha256": first, **speed}
 
-    (tmp_path / "model.safetensors").write_bytes(b"weights two")  # a new stage saved into the same folder
+    (tmp_path / "model.safetensors").write_bytes(b"weights two")  # new weights copied over the measured ones
+    with pytest.raises(ValueError, match="changed while it was measured"):  # a measurement that began on the old
+        _update_metrics(str(tmp_path), {"dataset": "gsm8k:test", "tau": 1.95, "command": "c"}, measured=first)
     _update_metrics(str(tmp_path), {"dataset": "gsm8k:test", "tau": 2.0, "command": "new"})
     rows = json.loads((tmp_path / "d3d_metrics.json").read_text())["rows"]
     assert [r["dataset"] for r in rows] == ["humaneval", "gsm8k:test"]
