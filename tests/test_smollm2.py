@@ -292,3 +292,22 @@ def test_space_streams_both_sides_and_times_them_alike(monkeypatch):
     assert all(p == plain for p, _, s in states if s == "*D3D decoding ...*")  # plain's answer stays on the page
     broken = list(app.run("   ", 8))
     assert len(broken) == 1 and "Input error" in broken[0][2]
+
+    # a page that goes away stops its decoding, so the next request is not timed beside it
+    started = []
+    real_start = app._start
+    monkeypatch.setattr(app, "_start", lambda *a, **k: started.append(real_start(*a, **k)) or started[-1])
+    long = "Count from 1 to 300, one number per line."
+    for phase in ("*plain decoding ...*", "*D3D decoding ...*"):
+        started.clear()
+        run = app.run(long, 256)
+        while next(run)[2] != phase or (phase.startswith("*D3D") and len(started) < 2):
+            pass
+        run.close()  # what Gradio does when the client disconnects
+        worker, result = started[-1]
+        assert not worker.is_alive()
+        if phase.startswith("*plain"):
+            prompt = app.validate_request(long, 256, app.TOKENIZER, app.CONTEXT)
+            assert result["out"].shape[1] - len(prompt) < 64  # stopped early, not at 256 new tokens
+        else:
+            assert type(result["error"]).__name__ == "_Cancelled"

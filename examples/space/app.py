@@ -14,7 +14,7 @@ import time
 
 import gradio as gr
 import torch
-from transformers import TextIteratorStreamer
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 from hf_d3d import check_pair, speculative_generate
 from hf_d3d.demo import DEFAULT_PROMPT, MAX_NEW_TOKENS_LIMIT, DraftView, no_outside_requests, validate_request
@@ -75,6 +75,18 @@ def _start(job, on_error=None) -> tuple[threading.Thread, dict]:
     return worker, result
 
 
+class _Cancelled(Exception):
+    """The page went away mid-answer: its decoding stops, so the next request is not timed beside it."""
+
+
+class _StopWhenSet(StoppingCriteria):
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
 def _failed(side: str, err: Exception) -> str:
     return f"**{side} decoding failed:** {html.escape(f'{type(err).__name__}: {err}')}"
 
@@ -97,14 +109,34 @@ def run(prompt: str, max_new_tokens: float):
     x = torch.tensor([ids])
     max_new = int(max_new_tokens)
 
+    # Gradio stops this generator at a yield when the page goes away; the finally block then stops the decoding
+    # under way, so it does not run on beside (and slow down, or hold patched layers of the target for) the next
+    # request.
+    stop = threading.Event()
+    workers: list[threading.Thread] = []
+    try:
+        yield from _decode_both(x, max_new, stop, workers)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+
+
+def _decode_both(x: torch.Tensor, max_new: int, stop: threading.Event, workers: list[threading.Thread]):
     # plain greedy generate, streamed token by token
     streamer = TextIteratorStreamer(TOKENIZER, skip_prompt=True, skip_special_tokens=True)
     worker, plain = _start(
         lambda: TARGET.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, streamer=streamer, **GREEDY
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            streamer=streamer,
+            stopping_criteria=StoppingCriteriaList([_StopWhenSet(stop)]),
+            **GREEDY,
         ),
         on_error=streamer.end,
     )
+    workers.append(worker)
     text, shown = "", 0.0
     for piece in streamer:
         text += piece
@@ -124,12 +156,15 @@ def run(prompt: str, max_new_tokens: float):
     view = DraftView(TOKENIZER)
 
     def on_round(draft, accepted, committed):
+        if stop.is_set():
+            raise _Cancelled
         rounds["n"] += 1
         pieces.extend(_span(text, kind) for text, kind in view.round(draft, accepted, committed))
 
     worker, d3d = _start(
         lambda: speculative_generate(TARGET, DRAFTER, x, max_new_tokens=max_new, on_round=on_round, **GREEDY)
     )
+    workers.append(worker)
     while worker.is_alive():
         worker.join(UPDATE_EVERY)
         if worker.is_alive():
