@@ -49,6 +49,8 @@ def measure_tau(
             )
         new_tokens += out.shape[1] - x.shape[1]
         forwards += calls["n"]
+        if hasattr(drafter.last_stats, "observe"):  # the final round, whose outcome no later round showed the drafter
+            drafter.last_stats.observe(out)
         hist.update(drafter.last_stats.acceptance_lengths)
         hits, misses = hits + drafter.last_stats.hits, misses + drafter.last_stats.misses
     return {

@@ -177,3 +177,21 @@ def test_measure_tau_reports_the_hit_rate_of_async_drafting_only(oracle):
     assert drafter.last_stats.hits + drafter.last_stats.misses > 0
     drafter.config.async_drafting = False
     assert measure_tau(target, drafter, prompts, 24)["hit_rate"] is None
+
+
+def test_measure_tau_counts_every_round_the_final_one_included(oracle):
+    """Inside target.generate a round's outcome is read off the next round's input: the final round's is read off
+    the output, so the histogram has one entry per round."""
+    from hf_d3d.evaluate import measure_tau
+
+    target = TARGETS["llama"]
+    oracle.target, oracle.noise = target, 0.3
+    prompts = [[5, 9, 17, 33], [40, 41, 7], [3, 4]]
+    drafter = async_drafter(target, 4)
+    drafter.config.async_drafting = False
+    res = measure_tau(target, drafter, prompts, 24)
+    stats = drafter.last_stats  # the last prompt's
+    assert len(stats.acceptance_lengths) == stats.rounds and res["acceptance_histogram"]
+    assert stats.committed_tokens == 24 and stats._pending is None  # every new token
+    stats.observe(torch.tensor([[1, 2, 3]]))  # nothing pending: a second look records nothing
+    assert stats.committed_tokens == 24

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import DynamicCache
@@ -40,8 +40,9 @@ from .skinny_d3d import few_row_forwards, patched_forwards, skinny_next_forward
 class D3DStats:
     """What one generation did. ``tau`` is committed tokens per target forward, bonus token included.
 
-    Inside ``target.generate`` the outcome of the final round is never shown to the drafter, so the counts cover
-    the rounds whose outcome it saw; the fast loop and the benchmark count every round. Async fields:
+    Inside ``target.generate`` a round's outcome is read off the next round's input, so the final round stays
+    pending until :meth:`observe` is given the output (``measure_tau`` and the benchmark do; the fast loop records
+    every round itself). Async fields:
     ``packed_passes`` launched, ``hits`` (next draft served from the packed pass), ``misses`` (sync draft needed).
     ``critical_draft_seconds`` is host time spent drafting before the target could verify (sync drafts and joins).
     """
@@ -55,6 +56,8 @@ class D3DStats:
     hits: int = 0
     misses: int = 0
     critical_draft_seconds: float = 0.0
+    # the round not yet observed: its draft [1, k] and the committed length it was proposed at
+    _pending: tuple[torch.LongTensor, int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def tau(self) -> float:
@@ -66,12 +69,31 @@ class D3DStats:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
     def record(self, accepted: int, committed: int) -> None:
+        self._pending = None
         self.acceptance_lengths.append(accepted)
         self.accepted_tokens += accepted
         self.committed_tokens += committed
 
+    def observe(self, input_ids: torch.LongTensor) -> None:
+        """Record the pending round's outcome from ``input_ids``, the committed tokens since it was proposed on:
+        the draft's leading tokens equal to them were accepted."""
+        if self._pending is None:
+            return
+        draft, length = self._pending
+        new = input_ids[0, length:].to(draft.device)
+        draft = draft[0, : max(len(new) - 1, 0)]
+        accepted = int((new[: len(draft)] == draft).int().cumprod(0).sum()) if len(draft) else 0
+        self.record(accepted, len(new))
+        self._pending = None
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "tau": self.tau, "hit_rate": self.hit_rate}
+        counts = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        return {
+            **counts,
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "tau": self.tau,
+            "hit_rate": self.hit_rate,
+        }
 
 
 @dataclass
@@ -250,8 +272,6 @@ class D3DCandidateGenerator(CandidateGenerator):
         self.do_sample = do_sample
         self.cache = DynamicCache()
         self.stats = D3DStats()
-        self._last_draft: torch.LongTensor | None = None  # [1, k] tokens proposed last round
-        self._last_len = 0  # committed length when they were proposed
         fill = config.mask_token_id
         self._fill_id = fill if fill is not None else 0  # slot embeddings are replaced, the id only fills the tensor
         if async_drafting is None:
@@ -317,13 +337,13 @@ class D3DCandidateGenerator(CandidateGenerator):
             )
         start = time.perf_counter()
         caller, input_ids = input_ids.device, input_ids.to(self._device)  # the fast loop passes the target's device
-        self._observe(input_ids)
+        self.stats.observe(input_ids)
         k = self.block_size if max_new_tokens is None else max(0, min(self.block_size, max_new_tokens))
         logits = self._take_hypothesis(input_ids)
         if k == 0 or (self._idle and logits is None):
             if k:  # resting after a round whose draft would not pay: a round of the target's own token alone
                 self._idle -= 1
-                self._last_draft, self._last_len = input_ids[:, :0], input_ids.shape[1]
+                self.stats._pending = (input_ids[:, :0], input_ids.shape[1])
                 self.stats.rounds += 1
             return input_ids.to(caller), input_ids.new_zeros(
                 (1, 0, self.drafter.config.vocab_size), dtype=torch.float, device=caller
@@ -345,7 +365,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 (self._backoff, min(2 * self._backoff, MAX_IDLE_ROUNDS)) if keep == 0 else (0, 1)
             )
         k = draft.shape[1]
-        self._last_draft, self._last_len = draft, input_ids.shape[1]
+        self.stats._pending = (draft, input_ids.shape[1])
         self.stats.rounds += 1
         self.stats.drafted_tokens += k
         if self.async_drafting and k:  # without a draft the target's one-row forward leaves nothing to hide behind
@@ -365,7 +385,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         block anchored at the last committed token, best first: what a draft tree is built from (one host read)."""
         start = time.perf_counter()
         input_ids = input_ids.to(self._device)
-        self._observe(input_ids)
+        self.stats.observe(input_ids)
         logits = self._draft_logits(input_ids)[0, :depth]
         top = logits.log_softmax(-1).topk(min(width, logits.shape[-1]), -1)
         values, tokens = top.values.tolist(), self._tokens(top.indices).tolist()
@@ -376,17 +396,6 @@ class D3DCandidateGenerator(CandidateGenerator):
     def record_outcome(self, accepted: int, committed: int) -> None:
         """Record a round's outcome when the caller knows it (the fast loop) instead of inferring it next round."""
         self.stats.record(accepted, committed)
-        self._last_draft = None
-
-    def _observe(self, input_ids: torch.LongTensor) -> None:
-        """Infer how much of the last draft the target accepted from the tokens it committed since."""
-        if self._last_draft is None:
-            return
-        new = input_ids[0, self._last_len :]
-        draft = self._last_draft[0, : max(len(new) - 1, 0)]
-        accepted = int((new[: len(draft)] == draft).int().cumprod(0).sum()) if len(draft) else 0
-        self.stats.record(accepted, len(new))
-        self._last_draft = None
 
     def _draft_logits(self, input_ids: torch.LongTensor) -> torch.FloatTensor:
         """One drafter forward: uncached committed tokens as context plus one block anchored at the last of them.
@@ -590,7 +599,7 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
         if exact and not config.do_sample:
             # Exact verification (hf_d3d.exact): no draft in the first round, so the target prefills the prompt
             # alone.
-            generator._last_draft, generator._last_len = input_ids[:, :0], input_ids.shape[1]
+            generator.stats._pending = (input_ids[:, :0], input_ids.shape[1])
             return _assistant_output(input_ids, input_ids.new_zeros((1, 0, drafter.config.vocab_size)), generator)
     sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
     if generator._verify_forwards and not first and sequences.shape[1] > input_ids.shape[1]:
