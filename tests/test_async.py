@@ -181,7 +181,7 @@ def test_measure_tau_reports_the_hit_rate_of_async_drafting_only(oracle):
 
 def test_measure_tau_counts_every_round_the_final_one_included(oracle):
     """Inside target.generate a round's outcome is read off the next round's input: the final round's is read off
-    the output, so the histogram has one entry per round."""
+    the output, so the histogram has one entry per round the drafter drafted for."""
     from hf_d3d.evaluate import measure_tau
 
     target = TARGETS["llama"]

@@ -42,7 +42,8 @@ class D3DStats:
 
     Inside ``target.generate`` a round's outcome is read off the next round's input, so the final round stays
     pending until :meth:`observe` is given the output (``measure_tau`` and the benchmark do; the fast loop records
-    every round itself). Async fields:
+    every round itself). A round transformers runs without asking the drafter (one token left to the length limit)
+    is not counted; its token joins the round before. Async fields:
     ``packed_passes`` launched, ``hits`` (next draft served from the packed pass), ``misses`` (sync draft needed).
     ``critical_draft_seconds`` is host time spent drafting before the target could verify (sync drafts and joins).
     """
