@@ -60,7 +60,7 @@ def load_metrics(checkpoint: Path) -> dict:
     if stale:
         raise PublishError(
             f"{path}: the rows for {', '.join(stale)} were measured on other weights than {checkpoint}'s "
-            "model.safetensors; measure this drafter again (`hf-d3d eval-tau --write-metrics`) or drop the rows"
+            "model.safetensors; run each row's command again with --write-metrics, or drop the rows"
         )
     unbound = [r["dataset"] for r in rows if "weights_sha256" not in r]
     if unbound:  # rows written before measurements recorded the weights' checksum

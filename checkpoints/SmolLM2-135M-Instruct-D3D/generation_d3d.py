@@ -84,8 +84,7 @@ class D3DStats:
         new = input_ids[0, length:].to(draft.device)
         draft = draft[0, : max(len(new) - 1, 0)]
         accepted = int((new[: len(draft)] == draft).int().cumprod(0).sum()) if len(draft) else 0
-        self.record(accepted, len(new))
-        self._pending = None
+        self.record(accepted, len(new))  # which clears the pending round
 
     def as_dict(self) -> dict:
         counts = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
