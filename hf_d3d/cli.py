@@ -147,6 +147,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
         draft_vocab_loss=not args.full_vocab_loss,
         kd_weight=args.kd_weight,
         kd_temperature=args.kd_temperature,
+        unreached_weight=args.unreached_weight,
         mixed_precision=args.mixed_precision,
         save_dtype=args.save_dtype,
         eval_every=args.eval_every,
@@ -796,6 +797,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-adapter-rank: the context is then the frozen LM's, whose next-token loss has no gradient",
     )
     p.add_argument("--slot-decay", type=float, default=0.8)
+    p.add_argument(
+        "--unreached-weight",
+        type=float,
+        default=1.0,
+        help="weight of a slot behind a wrongly drafted one in its block, which greedy verification never reads "
+        "(1: every slot by --slot-decay alone; 0: only the slots verification would read)",
+    )
     p.add_argument(
         "--train-embeddings", action="store_true", help="also train embeddings / LM head (frozen by default)"
     )

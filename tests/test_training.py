@@ -16,7 +16,7 @@ from hf_d3d import D3DDrafterModel
 from hf_d3d.evaluate import measure_tau
 from hf_d3d.train import trainer
 from hf_d3d.train.distill import DistillConfig, chat_prompt_ids, distill, load_records, transformers_backend
-from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
+from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch, slots_reached
 from hf_d3d.train.trainer import TrainConfig, train, validate_records
 
 
@@ -310,6 +310,38 @@ def test_loss_masks():
     slot = width
     anchor = int(lay.anchors[0, slot])
     assert mask[slot, : anchor + 1].all() and not mask[slot, anchor + 1 : width].any()
+
+
+def test_slots_reached_are_those_behind_correct_slots_of_their_own_block():
+    # Three blocks: the first breaks at slot 1, the second (cut short by its sequence's end) is right, the third
+    # breaks at slot 0; a wrong slot is itself reached, what follows it is not, and the next block starts afresh.
+    slot_index = torch.tensor([0, 1, 2, 3, 0, 1, 0, 1, 2])
+    correct = torch.tensor([1, 0, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    assert slots_reached(correct, slot_index).tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("unreached_weight", [0.0, 0.25])
+def test_unreached_slots_weigh_less_in_the_denoising_loss(toy, toy_data, unreached_weight):
+    target, _ = toy
+    drafter = make_drafter(target, block_size=4, layers=2)
+    batch = make_batch(toy_data[:3], 4, 3, 0, 0, torch.Generator().manual_seed(1))
+    _, metrics = d3d_loss(drafter, batch, ar_weight=0.0, slot_decay=0.8, unreached_weight=unreached_weight)
+    every = torch.ones_like(batch.labels, dtype=torch.bool)
+    with torch.no_grad():
+        logits = drafter(batch.input_ids, layout=batch.layout, use_cache=False, logits_to_keep=every).logits.float()
+    labels, slot, index = batch.labels.flatten(), batch.layout.is_slot.flatten(), batch.slot_index.flatten()
+    logits = logits.view(len(labels), -1)
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE)
+    weight = torch.zeros_like(ce)
+    hit = logits.argmax(-1) == labels
+    for row in torch.nonzero(slot & (labels != IGNORE)).flatten().tolist():  # each slot checks its block's slots
+        j = int(index[row])
+        reached = bool(hit[row - j : row].all())
+        weight[row] = 0.8**j * (1.0 if reached else unreached_weight)
+    full = 0.8 ** index.clamp_min(0).float() * (slot & (labels != IGNORE))
+    assert (weight < full).any()  # the batch holds unreached slots, so the weighting is exercised
+    denoise = (ce * weight).sum() / weight.sum()
+    torch.testing.assert_close(metrics["denoise"], denoise.item(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("max_ar_positions", [None, 0])

@@ -33,6 +33,18 @@ def teacher_rows(batch: D3DBatch) -> torch.LongTensor:
     return torch.where(layout.is_slot & (batch.labels != IGNORE), rows, -1)
 
 
+def slots_reached(correct: torch.Tensor, slot_index: torch.Tensor) -> torch.Tensor:
+    """Whether every earlier slot of each slot's block is ``correct``: the slots greedy verification reads.
+
+    ``correct`` and ``slot_index`` run over the slot rows of a batch, each block's slots in order from 0 (a block may
+    stop early where its sequence ends)."""
+    wrong = (~correct).long()
+    wrong_before = wrong.cumsum(0) - wrong  # wrong slots before this row, over the whole batch
+    block = (slot_index == 0).long().cumsum(0) - 1
+    starts = torch.nonzero(slot_index == 0).squeeze(-1)
+    return (wrong_before - wrong_before[starts][block]) == 0
+
+
 def make_batch(
     records: list[dict],
     block_size: int,
@@ -101,6 +113,7 @@ def d3d_loss(
     frozen_context: bool = False,
     kd_weight: float = 0.0,
     kd_temperature: float = 1.0,
+    unreached_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Total loss = slot-weighted denoising CE + ``ar_weight`` * next-token CE (+ ``kd_weight`` * slot-weighted KD).
     Logits only where they are needed.
@@ -114,6 +127,9 @@ def d3d_loss(
     next-token distributions; when that LM is the target itself (the trainer checks), context row ``anchor + j``
     is the target's distribution over the very token slot ``j`` predicts. Each slot then also learns
     ``KL(teacher || slot)`` at ``kd_temperature`` (scaled by its square), weighted as its cross-entropy.
+    ``unreached_weight``: a slot's weight where an earlier slot of its block drafts a wrong token (argmax of this
+    forward), so that greedy verification would never reach it; 1 weighs every slot alike, 0 trains only the
+    slots verification would read.
     """
     if kd_weight and not frozen_context:
         raise ValueError("kd_weight needs frozen_context: only then are the context rows the frozen LM's own")
@@ -145,6 +161,9 @@ def d3d_loss(
     slot_ce = F.nll_loss(slot_logp, slot_labels, reduction="none", ignore_index=IGNORE)
     # Early slots decide how many tokens are accepted, so they weigh more.
     weights = slot_decay ** slot_index[is_slot].float() * (slot_labels != IGNORE)
+    if unreached_weight != 1.0:
+        reached = slots_reached(slot_logits.detach().argmax(-1) == slot_labels, slot_index[is_slot])
+        weights = weights * (unreached_weight + (1.0 - unreached_weight) * reached.float())
     denoise = (slot_ce * weights).sum() / weights.sum().clamp_min(1e-6)
     # A sum over a count, not a Python branch on whether labels exist: a branch would wait on the device.
     ar_labels = labels[~is_slot]

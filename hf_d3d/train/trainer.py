@@ -91,6 +91,8 @@ class TrainConfig:
     # next-token distribution for its token, read off the frozen context rows of the same forward.
     kd_weight: float = 0.0
     kd_temperature: float = 1.0
+    # Weight of a slot behind a wrongly drafted one in its block (greedy verification never reads it); 1: no change.
+    unreached_weight: float = 1.0
     mixed_precision: str = "no"
     save_dtype: str = "float32"  # of the final weights only; checkpoints stay fp32 so that a resume loses nothing
     eval_every: int = 200
@@ -111,6 +113,8 @@ class TrainConfig:
             raise ValueError(f"num_blocks must be at least 0, got {self.num_blocks}")
         if self.kd_weight < 0 or self.kd_temperature <= 0:
             raise ValueError(f"need kd_weight >= 0 and kd_temperature > 0, got {self.kd_weight}, {self.kd_temperature}")
+        if not 0.0 <= self.unreached_weight <= 1.0:
+            raise ValueError(f"unreached_weight must be in [0, 1], got {self.unreached_weight}")
         if self.kd_weight and not self.adapters_only:
             raise ValueError("kd_weight needs adapters_only: the soft labels are the frozen context rows")
         if self.kd_weight and not self.num_blocks:
@@ -459,6 +463,7 @@ def train(
                     frozen_context=frozen_context,
                     kd_weight=config.kd_weight,
                     kd_temperature=config.kd_temperature,
+                    unreached_weight=config.unreached_weight,
                 )
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
