@@ -7,6 +7,7 @@ per-prompt ratio to plain ``generate`` measured in the same run. tau counts comm
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections import Counter
@@ -281,12 +282,21 @@ def plot(result: dict, path: str | Path) -> None:
 
 
 def write_outputs(result: dict, out: str | Path) -> tuple[Path, Path, Path]:
-    """Write RESULT.json, RESULT.md and RESULT.png side by side."""
+    """Write RESULT.json, RESULT.md and RESULT.png side by side, as a set: all three are made under scratch names
+    first, so a failure (the plot, a full disk) leaves the previous three as they were, never a new table beside an
+    old figure."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out, result)
-    md = out.with_suffix(".md")
-    write_text_atomic(md, markdown_table(result) + "\n")
-    png = out.with_suffix(".png")
-    plot(result, png)
+    md, png = out.with_suffix(".md"), out.with_suffix(".png")
+    paths = (png, md, out)  # the JSON, the record the others are drawn from, replaced last
+    scratch = [p.with_name(f".{p.name}.{os.getpid()}.set") for p in paths]
+    try:
+        plot(result, scratch[0])
+        write_text_atomic(scratch[1], markdown_table(result) + "\n")
+        write_json_atomic(scratch[2], result)
+        for tmp, path in zip(scratch, paths):
+            os.replace(tmp, path)
+    finally:
+        for tmp in scratch:
+            tmp.unlink(missing_ok=True)
     return out, md, png

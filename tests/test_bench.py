@@ -33,6 +33,28 @@ def test_bench_schema_and_outputs(tmp_path):
     assert paths[2].stat().st_size > 1000  # a real PNG
 
 
+def test_outputs_are_written_as_a_set(tmp_path, monkeypatch):
+    """A failure while writing (here the plot) leaves the previous JSON, table and figure as they were."""
+    first = {"methods": {"plain": {"tau": 1.0, "speedup": 1.0}}, "all_identical": True}
+    monkeypatch.setattr(bench, "markdown_table", lambda result: f"table {result['methods']['plain']['tau']}")
+    monkeypatch.setattr(
+        bench, "plot", lambda result, path: path.write_bytes(b"png %r" % result["methods"]["plain"]["tau"])
+    )
+    paths = bench.write_outputs(first, tmp_path / "r.json")
+    before = [p.read_bytes() for p in paths]
+
+    def broken(result, path):
+        path.write_bytes(b"half a figure")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(bench, "plot", broken)
+    second = {"methods": {"plain": {"tau": 2.0, "speedup": 1.0}}, "all_identical": True}
+    with pytest.raises(OSError, match="disk full"):
+        bench.write_outputs(second, tmp_path / "r.json")
+    assert [p.read_bytes() for p in paths] == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png"]  # no scratch file left
+
+
 def test_every_method_is_greedy_on_a_sampling_target_and_the_drafters_own_setting_stays(tmp_path):
     """Qwen3 and Llama 3 ship generation configs that sample: the fast loop took them up while every peer was
     greedy. And a drafter configured to draft asynchronously is still so after the d3d_sync runs."""
