@@ -281,13 +281,20 @@ def plot(result: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+def output_paths(out: str | Path) -> tuple[Path, Path, Path]:
+    """The JSON, table and figure paths of ``out``; refuses an ``out`` that would be one of the other two."""
+    out = Path(out)
+    if out.suffix.lower() in (".md", ".png"):
+        raise ValueError(f"--out names the JSON file, beside which the .md table and .png figure go; got {out}")
+    return out, out.with_suffix(".md"), out.with_suffix(".png")
+
+
 def write_outputs(result: dict, out: str | Path) -> tuple[Path, Path, Path]:
     """Write RESULT.json, RESULT.md and RESULT.png side by side, as a set: all three are made under scratch names
     first, so a failure (the plot, a full disk) leaves the previous three as they were, never a new table beside an
     old figure."""
-    out = Path(out)
+    out, md, png = output_paths(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    md, png = out.with_suffix(".md"), out.with_suffix(".png")
     paths = (png, md, out)  # the JSON, the record the others are drawn from, replaced last
     scratch = [p.with_name(f".{p.name}.{os.getpid()}.set") for p in paths]
     try:

@@ -253,13 +253,14 @@ def _shown(path: str) -> str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> None:
-    from hf_d3d.bench import ALL_METHODS, run_bench, write_outputs
+    from hf_d3d.bench import ALL_METHODS, output_paths, run_bench, write_outputs
     from hf_d3d.checks import check_pair
     from hf_d3d.cpu.fp16_weights import fp16_weights, fp16_weights_supported
     from hf_d3d.prompts import load_prompts
     from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids
 
+    output_paths(args.out)  # a bad --out fails now, not after the run
     methods = [m.strip() for m in args.methods.split(",")]
     unknown = set(methods) - set(ALL_METHODS)
     if unknown:

@@ -53,6 +53,18 @@ def test_outputs_are_written_as_a_set(tmp_path, monkeypatch):
         bench.write_outputs(second, tmp_path / "r.json")
     assert [p.read_bytes() for p in paths] == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.png"]  # no scratch file left
+    for name in ("r.md", "r.PNG"):  # the JSON would be written over the table or the figure
+        with pytest.raises(ValueError, match="--out names the JSON file"):
+            bench.write_outputs(first, tmp_path / name)
+
+
+def test_bench_refuses_an_out_that_is_not_a_json_path_before_it_runs(monkeypatch, capsys, tmp_path):
+    from hf_d3d import cli
+
+    monkeypatch.setattr(cli, "_device", lambda name: pytest.fail("refused after arguments were checked"))
+    assert cli.main(["bench", "--out", str(tmp_path / "r.png")]) == 2
+    assert "--out names the JSON file" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_every_method_is_greedy_on_a_sampling_target_and_the_drafters_own_setting_stays(tmp_path):
