@@ -702,6 +702,11 @@ def test_zero_counts_are_refused_before_training(field):
     with pytest.raises(ValueError, match="num_blocks must be at least 0"):
         TrainConfig(num_blocks=-1)
     assert TrainConfig(num_blocks=0).num_blocks == 0  # the AR peer's objective
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="unreached_weight must be in"):
+            TrainConfig(unreached_weight=bad)
+    with pytest.raises(ValueError, match="this objective has none"):
+        TrainConfig(num_blocks=0, unreached_weight=0.5)
 
 
 def test_epochs_count_every_process_batches():

@@ -40,9 +40,9 @@ def slots_reached(correct: torch.Tensor, slot_index: torch.Tensor) -> torch.Tens
     stop early where its sequence ends)."""
     wrong = (~correct).long()
     wrong_before = wrong.cumsum(0) - wrong  # wrong slots before this row, over the whole batch
-    block = (slot_index == 0).long().cumsum(0) - 1
-    starts = torch.nonzero(slot_index == 0).squeeze(-1)
-    return (wrong_before - wrong_before[starts][block]) == 0
+    rows = torch.arange(len(slot_index), device=slot_index.device)
+    start = torch.where(slot_index == 0, rows, 0).cummax(0).values  # each row's block start (no host sync)
+    return wrong_before == wrong_before[start]
 
 
 def make_batch(

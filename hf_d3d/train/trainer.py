@@ -115,6 +115,8 @@ class TrainConfig:
             raise ValueError(f"need kd_weight >= 0 and kd_temperature > 0, got {self.kd_weight}, {self.kd_temperature}")
         if not 0.0 <= self.unreached_weight <= 1.0:
             raise ValueError(f"unreached_weight must be in [0, 1], got {self.unreached_weight}")
+        if self.unreached_weight != 1.0 and not self.num_blocks:
+            raise ValueError("unreached_weight weighs the slots of mask blocks; this objective has none (num_blocks 0)")
         if self.kd_weight and not self.adapters_only:
             raise ValueError("kd_weight needs adapters_only: the soft labels are the frozen context rows")
         if self.kd_weight and not self.num_blocks:
