@@ -26,6 +26,18 @@ def _adapter_drafter(family: str, base_dir) -> tuple[torch.nn.Module, D3DDrafter
     return lm, drafter
 
 
+def test_a_base_from_the_hub_is_pinned_to_its_commit():
+    """A drafter whose adapters were trained over one commit of a Hub LM fetches that commit, not a later one."""
+    lm = tiny_target("llama")
+    lm.name_or_path, lm.config._commit_hash = "org/base-lm", "0123456789abcdef0123456789abcdef01234567"
+    pinned = D3DDrafterModel.from_pretrained_lm(lm, block_size=4)
+    assert (pinned.config.base_model, pinned.config.base_model_revision) == ("org/base-lm", lm.config._commit_hash)
+    other = D3DDrafterModel.from_pretrained_lm(lm, block_size=4, base_model="org/elsewhere")
+    assert other.config.base_model_revision is None  # lm's commit says nothing about another repository
+    lm.config._commit_hash = None  # a local folder
+    assert D3DDrafterModel.from_pretrained_lm(lm, block_size=4).config.base_model_revision is None
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_saved_without_base_loads_whole_and_drafts_the_same(tmp_path, family):
     lm, drafter = _adapter_drafter(family, tmp_path / "base")

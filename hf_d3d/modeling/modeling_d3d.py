@@ -548,7 +548,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         ``lm`` shares the target's tokenizer: a smaller sibling (Qwen3-1.7B for Qwen3-8B) or the target itself.
         With ``shifted_slots`` (the default) the first slot of a block reads the anchor's causal output, so before
         any training the drafter's first draft token is ``lm``'s own greedy next token. ``base_model`` (default
-        ``lm.name_or_path``) names where ``save_pretrained(..., omit_base_weights=True)`` checkpoints fetch it from.
+        ``lm.name_or_path``) names where ``save_pretrained(..., omit_base_weights=True)`` checkpoints fetch it from;
+        an ``lm`` loaded from the Hub also pins the commit it came from (``base_model_revision``).
         """
         lm_vocab = lm.config.get_text_config().vocab_size
         if target is not None and target.config.get_text_config().vocab_size != lm_vocab:
@@ -567,6 +568,8 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
             **config_overrides,
         )
         drafter.config.base_model = base_model or lm.name_or_path or None
+        if base_model in (None, lm.name_or_path):  # the Hub commit ``lm`` was loaded from, where it came from one
+            drafter.config.base_model_revision = getattr(lm.config, "_commit_hash", None)
         drafter.config.base_model_checksum = drafter.base_checksum()
         return drafter
 
