@@ -68,6 +68,8 @@ def launch(name: str, extra: list[str], steps: int, out: Path, args: argparse.Na
     cmd += ["--init-from", INIT, "--data", *data, "--num-blocks", "32", "--batch-size", str(args.batch_size)]
     cmd += ["--warmup-steps", str(min(30, steps // 10)), "--steps", str(steps), "--mixed-precision", "bf16"]
     cmd += ["--save-dtype", "bfloat16", "--save-every", "100", "--num-eval-prompts", "0", "--out", str(out), *extra]
+    # Stage 17's objective, in every setting: on CPU it gave GSM8K 20-79 +0.07 over the same steps without it
+    cmd += ["--unreached-weight", "0.1"]
     print(" ".join(cmd), flush=True)
     log = open(out.parent / f"{out.name}.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
