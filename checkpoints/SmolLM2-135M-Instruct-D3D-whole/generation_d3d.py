@@ -75,6 +75,10 @@ class D3DStats:
         self.accepted_tokens += accepted
         self.committed_tokens += committed
 
+    def propose(self, draft: torch.LongTensor, committed_length: int) -> None:
+        """A round proposed ``draft`` [1, k] at ``committed_length`` tokens; :meth:`observe` records its outcome."""
+        self._pending = (draft, committed_length)
+
     def observe(self, input_ids: torch.LongTensor) -> None:
         """Record the pending round's outcome from ``input_ids``, the committed tokens since it was proposed on:
         the draft's leading tokens equal to them were accepted."""
@@ -343,7 +347,7 @@ class D3DCandidateGenerator(CandidateGenerator):
         if k == 0 or (self._idle and logits is None):
             if k:  # resting after a round whose draft would not pay: a round of the target's own token alone
                 self._idle -= 1
-                self.stats._pending = (input_ids[:, :0], input_ids.shape[1])
+                self.stats.propose(input_ids[:, :0], input_ids.shape[1])
                 self.stats.rounds += 1
             return input_ids.to(caller), input_ids.new_zeros(
                 (1, 0, self.drafter.config.vocab_size), dtype=torch.float, device=caller
@@ -365,7 +369,7 @@ class D3DCandidateGenerator(CandidateGenerator):
                 (self._backoff, min(2 * self._backoff, MAX_IDLE_ROUNDS)) if keep == 0 else (0, 1)
             )
         k = draft.shape[1]
-        self.stats._pending = (draft, input_ids.shape[1])
+        self.stats.propose(draft, input_ids.shape[1])
         self.stats.rounds += 1
         self.stats.drafted_tokens += k
         if self.async_drafting and k:  # without a draft the target's one-row forward leaves nothing to hide behind
@@ -599,7 +603,7 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
         if exact and not config.do_sample:
             # Exact verification (hf_d3d.exact): no draft in the first round, so the target prefills the prompt
             # alone.
-            generator.stats._pending = (input_ids[:, :0], input_ids.shape[1])
+            generator.stats.propose(input_ids[:, :0], input_ids.shape[1])
             return _assistant_output(input_ids, input_ids.new_zeros((1, 0, drafter.config.vocab_size)), generator)
     sequences, scores = generator.get_candidates(input_ids, max_new_tokens=kwargs.get("max_new_tokens"))
     if generator._verify_forwards and not first and sequences.shape[1] > input_ids.shape[1]:
