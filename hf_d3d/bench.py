@@ -127,7 +127,7 @@ def run_bench(
     if "d3d_fused" in methods and exact:  # refused here, before any model runs, not in its warm-up
         raise ValueError("method d3d_fused runs blocks beside the verification rows: exact verification cannot run")
     if "d3d_fused" in methods and (why_not := fusable(target, drafter)):
-        raise ValueError(f"method d3d_fused needs a drafter that is its target plus block adapters: {why_not}")
+        raise ValueError(f"method d3d_fused cannot run this pair: {why_not}")
     if "d3d_hub" in methods and hub_drafter is None:
         raise ValueError("method d3d_hub needs the drafter as from_pretrained(..., trust_remote_code=True) loads it")
     runners = {}

@@ -18,7 +18,6 @@ def _cmd_distill(args: argparse.Namespace) -> None:
     import torch
 
     from hf_d3d.prompts import load_prompts, without_heldout_variants
-    from hf_d3d.targets import load_target
     from hf_d3d.train.distill import DistillConfig, distill
 
     prompts = load_prompts(args.prompts, args.field, args.num_prompts, skip=args.skip_prompts)
@@ -28,7 +27,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         prompts, near = without_heldout_variants(prompts)
         if near:
             print(f"{near} prompts that differ from a held-aside one only in case, spacing or punctuation left out")
-    if args.backend == "vllm" and args.device not in ("auto", "cuda"):
+    if args.backend == "vllm" and (args.device not in ("auto", "cuda") or args.device_map):
         raise ValueError("--device applies to the transformers backend; vLLM places the model itself")
     if args.backend == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
         from transformers import AutoTokenizer
@@ -38,7 +37,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         target = resolve_target(args.target)
         tokenizer = AutoTokenizer.from_pretrained(target)
     else:
-        target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=_device(args.device))
+        target, tokenizer, _ = _load_placed_target(args, getattr(torch, args.dtype))
     cfg = DistillConfig(
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
@@ -257,7 +256,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.cpu.fp16_weights import fp16_weights, fp16_weights_supported
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_drafter
     from hf_d3d.train.distill import chat_prompt_ids
 
     output_paths(args.out)  # a bad --out fails now, not after the run
@@ -279,8 +278,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     prompts = [p for source in args.prompts.split(",") for p in load_prompts(source, args.field, args.num_prompts)]
     import torch
 
-    device = _device(args.device)
-    target, tokenizer = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
+    target, tokenizer, device = _load_placed_target(args, getattr(torch, args.dtype))
     drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"), device=device)
     check_pair(target, drafter, tokenizer)
     fp16w = fp16_weights_supported(drafter) and not args.no_fp16_weights
@@ -291,7 +289,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         from transformers import AutoModelForCausalLM
 
         # the peer gets the D3D drafter's compute type and weight storage: only the drafting method differs
-        ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=drafter.dtype).to(target.device).eval()
+        ar = AutoModelForCausalLM.from_pretrained(args.ar_drafter, dtype=drafter.dtype).to(device).eval()
         if fp16w:
             fp16_weights(ar)
     if fp16w:
@@ -307,7 +305,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         path = args.drafter or DEFAULT_DRAFTER
         base = drafter.config.base_model
         local = {"base_model": resolve_target(base)} if base and resolve_target(base) != base else {}
-        hub = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **local).to(target.device).eval()
+        hub = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **local).to(device).eval()
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     if args.exact:
         from hf_d3d.exact import rows_match_decode
@@ -342,7 +340,7 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         + (f" --drafter-dtype {args.drafter_dtype}" if args.drafter_dtype != "auto" else "")
         + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
         + (" --exact" if args.exact else "")
-        + _device_flag(device)
+        + _device_flag(device, args.device_map)
     )
     result["drafter_dtype"] = str(drafter.dtype).removeprefix("torch.")
     result["drafter_fp16_weights"] = fp16w
@@ -359,11 +357,10 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         hub = result["methods"]["d3d_hub"]
         row = {"dataset": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens}
         row |= {"tau": hub["tau"], "command": result["command"]}
-        on_cpu = target.device.type == "cpu"
+        on_cpu = device.type == "cpu"
         cpu = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {torch.get_num_threads()} threads"
-        where = (
-            cpu if on_cpu else str(target.device)
-        ) + ", `target.generate(assistant_model=drafter)` as the card loads it"
+        placed = f"device_map {args.device_map} from {device}" if args.device_map else str(device)
+        where = (cpu if on_cpu else placed) + ", `target.generate(assistant_model=drafter)` as the card loads it"
         speed = {"speedup": hub["speedup"], "speedup_command": result["command"], "speedup_setting": where}
         path = _update_metrics(args.drafter, row, speed, target=args.target or DEFAULT_TARGET, measured=measured)
         print(f"updated {path}")
@@ -447,14 +444,13 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     from hf_d3d.checks import check_pair
     from hf_d3d.evaluate import measure_tau
     from hf_d3d.prompts import load_prompts
-    from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_TARGET, load_drafter
     from hf_d3d.train.distill import chat_prompt_ids
 
     if args.write_metrics and args.drafter and not Path(args.drafter).is_dir():  # before the run, not after it
         raise ValueError(f"--write-metrics needs a local drafter folder, not {args.drafter!r}")
     measured = _weights_before(args) if args.write_metrics else None
-    device = _device(args.device)
-    target, tokenizer = load_target(args.target, device=device)
+    target, tokenizer, device = _load_placed_target(args, torch.float32)
     drafter = load_drafter(args.drafter, dtype=getattr(torch, args.drafter_dtype, "auto"), device=device)
     check_pair(target, drafter, tokenizer)
     if args.async_drafting:  # otherwise the drafter's own setting (sync unless its config asks for async)
@@ -462,7 +458,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
     if args.num_hypotheses:
         drafter.config.num_hypotheses = args.num_hypotheses
     mode = f" --async --num-hypotheses {drafter.config.num_hypotheses}" if args.async_drafting else ""
-    mode += _device_flag(device)
+    mode += _device_flag(device, args.device_map)
     if args.drafter_dtype != "auto":  # tau moves by a few hundredths between bf16 and fp32 drafters
         mode += f" --drafter-dtype {args.drafter_dtype}"
     if args.fixed_length:  # the drafter's quality at num_assistant_tokens per round, whatever a round costs here
@@ -480,7 +476,7 @@ def _cmd_eval_tau(args: argparse.Namespace) -> None:
         res = measure_tau(target, drafter, ids, args.max_new_tokens, progress=True)
         skip = f" --skip-prompts {args.skip_prompts}" if args.skip_prompts else ""
         # a bf16 drafter's tau on a CPU moves with the thread count (other sums, other near-ties)
-        threads = f"OMP_NUM_THREADS={torch.get_num_threads()} " if target.device.type == "cpu" else ""
+        threads = f"OMP_NUM_THREADS={torch.get_num_threads()} " if device.type == "cpu" else ""
         named = f" --target {_shown(args.target)}" if args.target else ""
         command = (
             f"{threads}hf-d3d eval-tau{named} --drafter {_shown(args.drafter)} --prompts {source} "
@@ -609,12 +605,12 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
     from hf_d3d.cpu.skinny import skinny_by_default
     from hf_d3d.exact import exact_verification
     from hf_d3d.modeling.generation_d3d import cpu_kind, round_cost_key
-    from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter, load_target
+    from hf_d3d.targets import DEFAULT_DRAFTER, load_drafter
 
     if args.write and not (Path(args.drafter or DEFAULT_DRAFTER) / "config.json").is_file():  # before measuring
         raise FileNotFoundError(f"--write records in a drafter folder's config.json; {args.drafter!r} is not one")
-    target, _ = load_target(args.target, dtype=getattr(torch, args.dtype), device=_device(args.device))
-    drafter = load_drafter(args.drafter, device=target.device)
+    target, _, device = _load_placed_target(args, getattr(torch, args.dtype))
+    drafter = load_drafter(args.drafter, device=device)
     check_pair(target, drafter)
     skinny = skinny_by_default(target) and not args.exact and not args.no_skinny
     fp16w = fp16_weights_supported(drafter) and not args.no_fp16_weights
@@ -624,8 +620,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
         costs = measure_round_cost(
             target, drafter, context_length=args.context_length, repeats=args.repeats, skinny=skinny
         )
-    machine = cpu_kind() if target.device.type == "cpu" else None
-    key = round_cost_key(target.device.type, target.dtype, machine, skinny, fp16w)
+    machine = cpu_kind() if device.type == "cpu" else None
+    key = round_cost_key(device.type, target.dtype, machine, skinny, fp16w)
     print(f"round cost for {key}, in target decode steps, for k = 1..{len(costs)} draft tokens:")
     print("  " + "  ".join(f"{k}: {c:.2f}" for k, c in enumerate(costs, 1)))
     if args.write:
@@ -654,6 +650,13 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default="auto", help="where the models run: auto (cuda when available, else cpu), cpu, cuda, cuda:N"
     )
+    p.add_argument(
+        "--device-map",
+        choices=["auto", "balanced", "balanced_low_0", "sequential"],
+        default=None,
+        help="spread a target too large for one GPU over the GPUs and CPU memory, as from_pretrained(device_map=...) "
+        "does with accelerate; the drafter runs beside the target's first module (instead of --device)",
+    )
 
 
 def _device(name: str):
@@ -671,9 +674,29 @@ def _device(name: str):
     return device
 
 
-def _device_flag(device) -> str:
-    """The ``--device`` a recorded command needs to run where this one ran (none on a CPU)."""
+def _device_flag(device, device_map: str | None = None) -> str:
+    """The ``--device`` (or ``--device-map``) a recorded command needs to run where this one ran (none on a CPU)."""
+    if device_map:
+        return f" --device-map {device_map}"
     return "" if device.type == "cpu" else f" --device {device}"
+
+
+def _load_placed_target(args: argparse.Namespace, dtype):
+    """The target where ``--device`` or ``--device-map`` puts it, its tokenizer, and the device of its first placed
+    module, where its inputs and the drafter go."""
+    import torch
+
+    from hf_d3d.targets import load_target
+
+    if not args.device_map:
+        device = _device(args.device)
+        return (*load_target(args.target, dtype=dtype, device=device), device)
+    if args.device != "auto":
+        raise ValueError("--device-map places the target (and the drafter beside its first module); leave out --device")
+    target, tokenizer = load_target(args.target, dtype=dtype, device_map=args.device_map)
+    # transformers sets no hf_device_map where the whole target landed on one device
+    placed = [d for d in getattr(target, "hf_device_map", {"": target.device}).values() if d not in ("disk", "meta")]
+    return target, tokenizer, torch.device(placed[0] if placed else "cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:

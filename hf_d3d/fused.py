@@ -50,6 +50,9 @@ def fusable(target: PreTrainedModel, drafter: PreTrainedModel) -> str | None:
     """``None`` where ``drafter`` is ``target`` plus block adapters (so one target forward can run both); else why
     not. Compares every base weight of the drafter with the target's, cast to the drafter's dtype, once per pair of
     weight versions (the answer is kept on the drafter)."""
+    devices = set((getattr(target, "hf_device_map", None) or {}).values())
+    if len(devices) > 1 or devices & {"disk", "meta"}:  # its rounds are one forward of one module on one device
+        return f"the target must run on one device; this one is dispatched over {sorted(map(str, devices))}"
     pairs = _base_pairs(target, drafter)
     if isinstance(pairs, str):
         return pairs
@@ -227,10 +230,7 @@ def fused_generate(
     check_pair(target, drafter)
     why_not = fusable(target, drafter)
     if why_not:
-        raise ValueError(f"fused_generate needs a drafter that is its target plus block adapters: {why_not}")
-    devices = set((getattr(target, "hf_device_map", None) or {}).values())
-    if len(devices) > 1 or devices & {"disk", "meta"}:
-        raise ValueError(f"fused_generate runs a target on one device; this one is dispatched over {sorted(devices)}")
+        raise ValueError(f"fused_generate cannot run this pair: {why_not}")
     if "logits_to_keep" not in inspect.signature(target.forward).parameters:
         raise ValueError("fused_generate needs a target whose forward takes logits_to_keep (its verification rows)")
     if is_exact(target):

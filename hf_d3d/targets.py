@@ -86,12 +86,17 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     weights: bool = True,
+    device_map: str | dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM target and its tokenizer; ``None`` means the embedded SmolLM2-135M-Instruct.
 
     ``weights=False`` reads no weights: the model is built from its config on the meta device, enough for the
     checks that read its config (:func:`hf_d3d.checks.check_pair`) and nothing that computes.
+    ``device_map`` (instead of ``device``) is passed to ``from_pretrained``: accelerate spreads a target too large
+    for one GPU over the GPUs, CPU memory and disk ("auto", "balanced", ... or a dict).
     """
+    if device_map is not None and device is not None:
+        raise ValueError("give a target a device or a device_map, not both")
     path = resolve_target(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -107,7 +112,9 @@ def load_target(
         return model.eval(), tokenizer
     # straight onto a GPU: a large target read into host memory first would need its whole size there too
     gpu = device is not None and torch.device(device).type != "cpu"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=torch.device(device) if gpu else None)
+    if device_map is None and gpu:
+        device_map = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
     if device is not None and not gpu:
         model.to(device)
     model.eval()

@@ -166,3 +166,53 @@ def test_a_single_process_run_continues_under_accelerate_launch(tmp_path):
     # two steps of 2 records, then two of 4: step 3 read on in epoch 0 (records 4-7 of its order), none skipped
     state = json.loads((tmp_path / "run" / "checkpoint" / "trainer_state.json").read_text())
     assert state["data_cursor"] == {"epoch": 1, "offset": 4, "order_per_step": 4}
+
+
+def test_a_target_dispatched_over_cpu_and_disk_decodes_as_plain_generate(tmp_path):
+    """A target that accelerate spreads over devices (here CPU and disk, its layers' weights read back per forward
+    through its hooks) gives the Hub path and the fast loop plain generate's tokens; the fused path refuses it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_d3d import fused_generate, speculative_generate
+
+    target, _ = _target_folder(tmp_path)
+    drafter = D3DDrafterModel.from_target(target, num_hidden_layers=1, block_size=4).eval()
+    layers = {f"model.layers.{i}": "disk" if i % 2 == 0 else "cpu" for i in range(target.config.num_hidden_layers)}
+    ends = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    placement = ends | layers
+    spread = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "target", device_map=placement, offload_folder=str(tmp_path / "offload")
+    ).eval()
+    assert "disk" in spread.hf_device_map.values()
+    x = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    plain = target.generate(x, max_new_tokens=24, do_sample=False)
+    assert torch.equal(spread.generate(x, max_new_tokens=24, do_sample=False), plain)
+    assert torch.equal(spread.generate(x, assistant_model=drafter, max_new_tokens=24, do_sample=False), plain)
+    assert torch.equal(speculative_generate(spread, drafter, x, max_new_tokens=24), plain)
+    with pytest.raises(ValueError, match="one device"):
+        fused_generate(spread, drafter, x, max_new_tokens=4)
+
+
+def test_device_map_on_the_command_line(tmp_path, capsys):
+    """`--device-map auto` loads the target through accelerate's placement, runs the bench beside it (every output
+    identical) and records the flag in the command; with `--device` as well it is refused before anything loads."""
+    from hf_d3d import cli
+
+    target, _ = _target_folder(tmp_path)
+    D3DDrafterModel.from_target(target, num_hidden_layers=1, block_size=4).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"{5 + i} 6 7 {8 + i} 9"}) + "\n" for i in range(2)))
+    common = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts)]
+    common += ["--num-prompts", "2", "--max-new-tokens", "12"]
+    out = tmp_path / "bench.json"
+    args = ["bench", *common, "--methods", "plain,d3d_sync,d3d_fast", "--out", str(out), "--device-map", "auto"]
+    assert cli.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["all_identical"] and result["command"].endswith(" --device-map auto")
+    assert cli.main(["eval-tau", *common, "--device-map", "auto", "--write-metrics"]) == 0
+    rows = json.loads((tmp_path / "drafter" / "d3d_metrics.json").read_text())["rows"]
+    assert [row["command"].endswith(" --device-map auto") for row in rows] == [True]
+    capsys.readouterr()
+    assert cli.main(["eval-tau", *common, "--device-map", "auto", "--device", "cpu"]) == 2
+    assert "leave out --device" in capsys.readouterr().err

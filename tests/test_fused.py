@@ -225,7 +225,7 @@ def test_bench_refuses_the_fused_method_for_a_drafter_it_cannot_fuse():
 
     target = TARGETS["llama"]
     small = D3DDrafterModel.from_target(target, num_hidden_layers=2, block_size=4)
-    with pytest.raises(ValueError, match="d3d_fused needs"):
+    with pytest.raises(ValueError, match="d3d_fused cannot run this pair: .*whole LM"):
         bench.run_bench(target, small, [[5, 6, 7]], ["d3d_fused"], max_new_tokens=4)
     # --exact with the fused method: refused up front (plain would otherwise run its warm-up first)
     calls = []
@@ -397,10 +397,22 @@ def test_refuses_a_target_whose_projections_the_hooks_do_not_see():
 
 
 def test_refuses_a_target_dispatched_over_devices():
+    """Refused by `fusable`, so the bench refuses the method before any model runs (`--device-map`)."""
+    from hf_d3d import bench
+
     target = copy.deepcopy(TARGETS["llama"])
     target.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "disk"}
+    assert "one device" in fusable(target, DRAFTERS["llama"])
     with pytest.raises(ValueError, match="one device"):
         fused_generate(target, DRAFTERS["llama"], torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+    calls = []
+    handle = target.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="d3d_fused cannot run this pair: the target must run on one device"):
+        bench.run_bench(target, DRAFTERS["llama"], [[5, 6, 7]], ["plain", "d3d_fused"], max_new_tokens=4)
+    handle.remove()
+    assert not calls
+    target.hf_device_map = {"": "cpu"}  # dispatched whole onto one device: fusable as before
+    assert fusable(target, DRAFTERS["llama"]) is None
 
 
 @pytest.mark.parametrize("batch", [1, 2])
