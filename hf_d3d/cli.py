@@ -28,7 +28,7 @@ def _cmd_distill(args: argparse.Namespace) -> None:
         if near:
             print(f"{near} prompts that differ from a held-aside one only in case, spacing or punctuation left out")
     if args.backend == "vllm" and (args.device not in ("auto", "cuda") or args.device_map):
-        raise ValueError("--device applies to the transformers backend; vLLM places the model itself")
+        raise ValueError("--device and --device-map apply to the transformers backend; vLLM places the model itself")
     if args.backend == "vllm":  # vLLM loads the weights itself; only the tokenizer is needed here
         from transformers import AutoTokenizer
 
@@ -359,8 +359,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         row |= {"tau": hub["tau"], "command": result["command"]}
         on_cpu = device.type == "cpu"
         cpu = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {torch.get_num_threads()} threads"
-        placed = f"device_map {args.device_map} from {device}" if args.device_map else str(device)
-        where = (cpu if on_cpu else placed) + ", `target.generate(assistant_model=drafter)` as the card loads it"
+        where = cpu if on_cpu else str(device)
+        where += f", the target spread by device_map {args.device_map}" if args.device_map else ""
+        where += ", `target.generate(assistant_model=drafter)` as the card loads it"
         speed = {"speedup": hub["speedup"], "speedup_command": result["command"], "speedup_setting": where}
         path = _update_metrics(args.drafter, row, speed, target=args.target or DEFAULT_TARGET, measured=measured)
         print(f"updated {path}")
@@ -609,6 +610,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> None:
 
     if args.write and not (Path(args.drafter or DEFAULT_DRAFTER) / "config.json").is_file():  # before measuring
         raise FileNotFoundError(f"--write records in a drafter folder's config.json; {args.drafter!r} is not one")
+    if args.write and args.device_map:  # its costs would be read back by every run on one device of that kind
+        raise ValueError("--write records a round cost per device kind; a target spread by --device-map has its own")
     target, _, device = _load_placed_target(args, getattr(torch, args.dtype))
     drafter = load_drafter(args.drafter, device=device)
     check_pair(target, drafter)
@@ -655,7 +658,7 @@ def _add_device(p: argparse.ArgumentParser) -> None:
         choices=["auto", "balanced", "balanced_low_0", "sequential"],
         default=None,
         help="spread a target too large for one GPU over the GPUs and CPU memory, as from_pretrained(device_map=...) "
-        "does with accelerate; the drafter runs beside the target's first module (instead of --device)",
+        "does with accelerate; the drafter runs where the target's embeddings do (instead of --device)",
     )
 
 
@@ -682,8 +685,8 @@ def _device_flag(device, device_map: str | None = None) -> str:
 
 
 def _load_placed_target(args: argparse.Namespace, dtype):
-    """The target where ``--device`` or ``--device-map`` puts it, its tokenizer, and the device of its first placed
-    module, where its inputs and the drafter go."""
+    """The target where ``--device`` or ``--device-map`` puts it, its tokenizer, and the device its embeddings run
+    on, where its inputs and the drafter go."""
     import torch
 
     from hf_d3d.targets import load_target
@@ -692,11 +695,13 @@ def _load_placed_target(args: argparse.Namespace, dtype):
         device = _device(args.device)
         return (*load_target(args.target, dtype=dtype, device=device), device)
     if args.device != "auto":
-        raise ValueError("--device-map places the target (and the drafter beside its first module); leave out --device")
+        raise ValueError("--device-map places the target (and the drafter beside its embeddings); leave out --device")
     target, tokenizer = load_target(args.target, dtype=dtype, device_map=args.device_map)
-    # transformers sets no hf_device_map where the whole target landed on one device
-    placed = [d for d in getattr(target, "hf_device_map", {"": target.device}).values() if d not in ("disk", "meta")]
-    return target, tokenizer, torch.device(placed[0] if placed else "cpu")
+    embed = target.get_input_embeddings()
+    # an offloaded module's weights are on "meta"; accelerate's hook says where it computes
+    device = getattr(getattr(embed, "_hf_hook", None), "execution_device", None)
+    device = torch.device(embed.weight.device if device is None else device)
+    return target, tokenizer, torch.device("cpu") if device.type == "meta" else device
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -195,8 +195,9 @@ def test_a_target_dispatched_over_cpu_and_disk_decodes_as_plain_generate(tmp_pat
 
 
 def test_device_map_on_the_command_line(tmp_path, capsys):
-    """`--device-map auto` loads the target through accelerate's placement, runs the bench beside it (every output
-    identical) and records the flag in the command; with `--device` as well it is refused before anything loads."""
+    """`--device-map auto` reaches from_pretrained (on a CPU-only machine accelerate keeps the target whole on the
+    CPU), the bench runs beside it (every output identical) and the flag is recorded in the commands; with `--device`
+    as well, or with `calibrate --write`, it is refused before anything loads."""
     from hf_d3d import cli
 
     target, _ = _target_folder(tmp_path)
@@ -216,3 +217,22 @@ def test_device_map_on_the_command_line(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["eval-tau", *common, "--device-map", "auto", "--device", "cpu"]) == 2
     assert "leave out --device" in capsys.readouterr().err
+    calibrate = ["calibrate", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+    assert cli.main([*calibrate, "--device-map", "auto", "--write"]) == 2
+    assert "its own" in capsys.readouterr().err
+
+
+def test_the_drafter_goes_where_the_target_embeddings_compute(tmp_path, monkeypatch):
+    """Under accelerate's offload a module's weights are on "meta" and its hook holds the device it computes on."""
+    import types
+
+    import torch
+
+    from hf_d3d import cli
+
+    target, tokenizer = _target_folder(tmp_path)
+    monkeypatch.setattr("hf_d3d.targets.load_target", lambda *a, **k: (target, tokenizer))
+    args = types.SimpleNamespace(target=None, device="auto", device_map="auto")
+    assert cli._load_placed_target(args, torch.float32)[2] == torch.device("cpu")
+    target.get_input_embeddings()._hf_hook = types.SimpleNamespace(execution_device="cuda:1")
+    assert cli._load_placed_target(args, torch.float32)[2] == torch.device("cuda:1")
