@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -228,6 +228,9 @@ def check_resume(
             f"more processes): pass --steps {state['step']} or more, or a new --out"
         )
     before = state.get("config", {})
+    if before:
+        # A setting added after the checkpoint was written ran at its default, which kept the old behaviour.
+        before = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING} | before
     diffs = [
         f"{k}: {before[k]!r} -> {v!r}"
         for k, v in asdict(config).items()
