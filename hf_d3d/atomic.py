@@ -16,11 +16,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write text to a temporary file in the same folder, fsync, then rename over ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a scratch file
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # a failed write (a full disk) leaves no scratch file behind
+        tmp.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
@@ -32,8 +35,11 @@ def save_figure(fig, path: str | Path) -> None:
     """Save a matplotlib figure as PNG under a scratch name, then rename it over ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fig.savefig(tmp, dpi=120, format="png")
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=120, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _current_umask() -> int:

@@ -114,6 +114,40 @@ def test_atomic_folder_is_complete_or_absent(tmp_path):
     assert [p.name for p in out.iterdir()] == ["c"] and [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
+def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_scratch(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hf_d3d.atomic import save_figure, write_text_atomic
+
+    text, png = tmp_path / "t.json", tmp_path / "f.png"
+    text.write_text("old")
+    png.write_bytes(b"old")
+    real_fsync = os.fsync
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        write_text_atomic(text, "new")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    fig = plt.figure()
+
+    def half_written(path, **kwargs):
+        open(path, "wb").write(b"\x89PNG")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fig, "savefig", half_written)
+    with pytest.raises(OSError, match="No space"):
+        save_figure(fig, png)
+    plt.close(fig)
+    assert text.read_text() == "old" and png.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.png", "t.json"]
+
+
 def test_written_files_get_the_umasks_permissions(tmp_path):
     import stat
 
