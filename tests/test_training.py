@@ -562,17 +562,22 @@ def test_a_checkpoint_is_resumed_only_as_the_run_it_belongs_to(toy, toy_data, tm
     }
 
 
-def test_a_setting_newer_than_its_checkpoint_is_held_to_its_default_on_resume(tmp_path):
-    """A checkpoint written before a setting existed trained at that setting's default (the old behaviour), so a
-    resume that changes it is another run; a checkpoint that names no settings at all is not checked this way."""
-    saved = SimpleNamespace(**{k: None for k in trainer.DRAFTER_SHAPE})
-    old = {k: v for k, v in vars(TrainConfig()).items() if k not in ("unreached_weight", "kd_weight")}
-    state = {"step": 5, "config": old}
-    trainer.check_resume(state, TrainConfig(), "d", saved, saved, tmp_path)  # the same run: resumes
-    for change in (dict(unreached_weight=0.1), dict(kd_weight=0.5, adapters_only=True)):
+def test_a_setting_newer_than_its_checkpoint_is_held_to_its_old_behaviour_on_resume(tmp_path):
+    """A checkpoint written before a setting existed trained as the code did then (the setting's default, or
+    BEFORE_IT_EXISTED), so a resume that changes it is another run; a checkpoint that names no settings at all is not
+    checked this way, and the draft-vocabulary loss is compared only for a drafter that has a draft vocabulary."""
+    plain = SimpleNamespace(**{k: None for k in trainer.DRAFTER_SHAPE})
+    drafted = SimpleNamespace(**{**vars(plain), "draft_vocab_size": 64})
+    absent = ("unreached_weight", "kd_weight", "draft_vocab_loss")
+    state = {"step": 5, "config": {k: v for k, v in vars(TrainConfig()).items() if k not in absent}}
+    # the same run: before draft_vocab_loss existed, a draft vocabulary's drafter trained over the full vocabulary
+    trainer.check_resume(state, TrainConfig(draft_vocab_loss=False), "d", drafted, drafted, tmp_path)
+    trainer.check_resume(state, TrainConfig(), "d", plain, plain, tmp_path)  # no draft vocabulary: no difference
+    for change in (dict(unreached_weight=0.1), dict(kd_weight=0.5, adapters_only=True), dict(draft_vocab_loss=True)):
+        config = TrainConfig(**{"draft_vocab_loss": False, **change})
         with pytest.raises(ValueError, match=next(iter(change))):
-            trainer.check_resume(state, TrainConfig(**change), "d", saved, saved, tmp_path)
-    trainer.check_resume({"step": 5}, TrainConfig(unreached_weight=0.1), "d", saved, saved, tmp_path)
+            trainer.check_resume(state, config, "d", drafted, drafted, tmp_path)
+    trainer.check_resume({"step": 5}, TrainConfig(unreached_weight=0.1), "d", plain, plain, tmp_path)
 
 
 def test_periodic_eval_logs_tau_with_both_models_on_the_training_device(toy, toy_data, tmp_path, monkeypatch):

@@ -209,6 +209,11 @@ DRAFTER_SHAPE = (
 )  # fmt: skip
 
 
+# What a setting was before it existed, where that is not its default: a draft vocabulary's drafter trained over the
+# full vocabulary until draft_vocab_loss came. Every other setting was added with the old behaviour as its default.
+BEFORE_IT_EXISTED = {"draft_vocab_loss": False}
+
+
 def data_fingerprint(records: list[dict]) -> str:
     """sha256 of the records' token ids in order: which data, in which order, a run reads."""
     digest = hashlib.sha256()
@@ -229,12 +234,17 @@ def check_resume(
         )
     before = state.get("config", {})
     if before:
-        # A setting added after the checkpoint was written ran at its default, which kept the old behaviour.
-        before = {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING} | before
+        # A setting added after the checkpoint was written ran as the code did before the setting existed.
+        before = (
+            {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING} | BEFORE_IT_EXISTED | before
+        )
+    free = set(RUN_LOGISTICS)
+    if not getattr(saved, "draft_vocab_size", None):
+        free.add("draft_vocab_loss")  # no draft vocabulary: both settings train the same softmax
     diffs = [
         f"{k}: {before[k]!r} -> {v!r}"
         for k, v in asdict(config).items()
-        if k in before and k not in RUN_LOGISTICS and before[k] != v
+        if k in before and k not in free and before[k] != v
     ]
     diffs += [
         f"drafter {k}: {getattr(saved, k, None)!r} -> {getattr(given, k, None)!r}"
