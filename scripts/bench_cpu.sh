@@ -2,8 +2,8 @@
 # Reproduce the README's CPU numbers: SmolLM2-135M-Instruct + the committed drafter, GSM8K test prompts,
 # greedy, 128 new tokens, every method side by side in one run (alternating, warm-up, medians).
 # The autoregressive peer is the committed drafter's own next-token path (same size, same data, same training run)
-# exported as a plain LlamaForCausalLM; it is built once into ~/.cache/hf_d3d. The d3d_hub speedup (target.generate(assistant_model=drafter), the path a
-# user takes) goes into the drafter's d3d_metrics.json (its card).
+# exported as a plain LlamaForCausalLM; it is built once into ~/.cache/hf_d3d. The d3d_hub speedup
+# (target.generate(assistant_model=drafter), the path a user takes) goes into the drafter's d3d_metrics.json (its card).
 # DTYPE=bfloat16 runs the target (and plain generate) in bf16 instead, every other method under
 # hf_d3d.exact_verification, into results/bench_cpu_gsm8k_bf16_exact.*; the card is left alone.
 # OUT=results/NAME.json writes there instead and leaves the card alone (a run on another kind of CPU).
