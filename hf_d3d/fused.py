@@ -29,7 +29,7 @@ from hf_d3d.checks import check_pair
 from hf_d3d.exact import is_exact
 from hf_d3d.modeling.attention_d3d import D3DLayout, d3d_attention_mask, pack_blocks, pack_tree_blocks
 from hf_d3d.modeling.compat_d3d import cache_kwarg
-from hf_d3d.modeling.generation_d3d import D3DStats
+from hf_d3d.modeling.generation_d3d import D3DStats, refuse_rescaling_rope
 from hf_d3d.modeling.modeling_d3d import _lm_state
 from hf_d3d.speculative import _eos_set, _processors, _until_stop
 from hf_d3d.tree import (
@@ -228,6 +228,7 @@ def fused_generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     check_pair(target, drafter)
+    refuse_rescaling_rope(target.config, input_ids.shape[1] + max_new_tokens, lookahead=drafter.config.block_size)
     why_not = fusable(target, drafter)
     if why_not:
         raise ValueError(f"fused_generate cannot run this pair: {why_not}")

@@ -26,7 +26,7 @@ from hf_d3d.checks import check_pair
 from hf_d3d.cpu.skinny import skinny_by_default, skinny_linears
 from hf_d3d.exact import is_exact
 from hf_d3d.modeling.compat_d3d import cache_kwarg, caller_locals
-from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator
+from hf_d3d.modeling.generation_d3d import D3DCandidateGenerator, refuse_rescaling_rope
 from hf_d3d.tree import (
     attention_implementations,
     build_tree,
@@ -162,6 +162,7 @@ def _plan(
     if getattr(config, "assistant_ensemble_weight", None) is not None:
         raise ValueError("assistant_ensemble_weight verifies against a target/draft mixture; D3D is lossless only")
     check_pair(target, drafter)
+    refuse_rescaling_rope(target.config, input_ids.shape[1] + max_new_tokens)
     exact = is_exact(target)
     kind = config.cache_implementation or "dynamic"
     if exact and kind != "dynamic":

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conftest import make_drafter, tiny_target
+from conftest import VOCAB, make_drafter, tiny_target
 from hf_d3d import D3DCandidateGenerator, D3DConfig, tokenizer_fingerprint
 from hf_d3d.checks import check_pair
 from hf_d3d.evaluate import count_forwards
@@ -221,3 +221,59 @@ def test_embedded_target_is_converted_once_when_processes_start_together(tmp_pat
         (out / "tokenizer.json").write_text("done")
     waiter.join(timeout=10)
     assert result == [out] and conversions == []
+
+
+def _rescaling_target(rope: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = {"rope_type": rope, "rope_theta": 10000.0, "factor": 2.0}
+    if rope == "longrope":
+        params |= {"short_factor": [1.0] * 6, "long_factor": [4.0] * 6, "original_max_position_embeddings": 32}
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32 if rope == "dynamic" else 128, rope_parameters=params,
+        bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharp logits, as tiny_target's, so that a small difference can flip a greedy token
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    return model
+
+
+@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
+def test_a_rope_that_rescales_with_length_is_refused_past_that_length(rope, monkeypatch):
+    """transformers rescales dynamic and long RoPE by the longest position of a forward: a verify forward over the
+    crossing rescales its earlier rows too, where plain generate's decode steps do not. Below 32 tokens nothing
+    rescales and every path is plain generate's; a generation that could pass 32 is refused before it starts, and
+    without the refusal some outputs do part from plain generate's."""
+    from hf_d3d import D3DDrafterModel, speculative, speculative_generate
+    from hf_d3d.fused import fused_generate
+
+    target = _rescaling_target(rope)
+    drafter = make_drafter(target, block_size=4)
+    x = torch.randint(4, VOCAB, (1, 10))
+    ones = torch.ones_like(x)
+    plain = target.generate(x, attention_mask=ones, max_new_tokens=22, do_sample=False)
+    assert torch.equal(speculative_generate(target, drafter, x, max_new_tokens=22), plain)
+    hub = target.generate(x, attention_mask=ones, assistant_model=drafter, max_new_tokens=22, do_sample=False)
+    assert torch.equal(hub, plain)
+    with pytest.raises(ValueError, match=f"RoPE \\({rope}\\) rescales once a sequence passes 32 tokens"):
+        speculative_generate(target, drafter, x, max_new_tokens=23)
+    with pytest.raises(ValueError, match="passes 32 tokens"):
+        target.generate(x, attention_mask=ones, assistant_model=drafter, max_new_tokens=23, do_sample=False)
+    # the fused pass's draft blocks reach a block past the last verified position
+    whole = D3DDrafterModel.from_pretrained_lm(target, block_size=4, block_adapter_rank=4).eval()
+    assert torch.equal(fused_generate(target, whole, x, max_new_tokens=18), plain[:, :28])
+    with pytest.raises(ValueError, match="max_new_tokens <= 28 \\(its forwards reach up to 4 positions further\\)"):
+        fused_generate(target, whole, x, max_new_tokens=19)
+    monkeypatch.setattr(speculative, "refuse_rescaling_rope", lambda *a: None)
+
+    def parts_from_plain(seed: int) -> bool:
+        x = torch.randint(4, VOCAB, (1, 10), generator=torch.Generator().manual_seed(seed))
+        plain = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False)
+        return not torch.equal(speculative_generate(target, drafter, x, max_new_tokens=40, tree=False), plain)
+
+    assert any(parts_from_plain(seed) for seed in range(10))

@@ -580,7 +580,10 @@ def assistant_generate(drafter, input_ids: torch.LongTensor, **kwargs) -> Genera
     first = not isinstance(generator, D3DCandidateGenerator)
     if first:
         target = assisting_target()
-        refuse_round_end_stops(*assisted_stopping_criteria())
+        criteria, loop_config = assisted_stopping_criteria()
+        refuse_round_end_stops(criteria, loop_config)
+        if target is not None and loop_config is not None and loop_config.max_length is not None:
+            refuse_rescaling_rope(target.config, loop_config.max_length)
         if getattr(config, "assistant_ensemble_weight", None) is not None:
             # transformers then accepts against a mixture of target and draft: no longer the target's own output
             raise ValueError("assistant_ensemble_weight verifies against a target/draft mixture; D3D is lossless only")
@@ -634,6 +637,32 @@ def refuse_round_end_stops(criteria: list, loop_config=None) -> None:
             "run past where plain generate stops; hf_d3d's fast loop checks them after every token: "
             "target.generate(..., custom_generate=hf_d3d.d3d_generate, drafter=drafter)"
         )
+
+
+def refuse_rescaling_rope(config, max_length: int, lookahead: int = 0) -> None:
+    """Refuse a generation that may run past the length where the target's RoPE rescales (``dynamic`` NTK beyond
+    ``max_position_embeddings``, ``longrope`` beyond ``original_max_position_embeddings``): transformers rescales by
+    the longest position of a forward, so a verify forward over several tokens rescales them all where decode steps
+    rescale from the crossing token on, and the output would part from plain ``generate``. ``lookahead``: how many
+    positions past the last verified one a target forward also holds (the fused pass's draft blocks)."""
+    config = config.get_text_config()
+    params = getattr(config, "rope_parameters", None) or {}
+    for rope in [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]:
+        kind = rope.get("rope_type", "default")
+        if "dynamic" in kind:
+            limit = config.max_position_embeddings
+        elif kind == "longrope":
+            limit = rope.get("original_max_position_embeddings") or config.max_position_embeddings
+        else:
+            continue
+        if max_length + lookahead > limit:
+            further = f" (its forwards reach up to {lookahead} positions further)" if lookahead else ""
+            raise ValueError(
+                f"this target's RoPE ({kind}) rescales once a sequence passes {limit} tokens, and a forward over "
+                "several draft tokens rescales them together where decoding one at a time does not, so a generation "
+                f"of up to {max_length} tokens could differ from plain generate; keep prompt + max_new_tokens <= "
+                f"{limit - lookahead}{further}"
+            )
 
 
 def _assistant_output(sequences, scores, generator) -> GenerateDecoderOnlyOutput:
