@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from hf_d3d.modeling.compat_d3d import cache_kwarg, passed_cache
+from hf_d3d.modeling.generation_d3d import refuse_rescaling_rope
 
 EXACT_ATTENTION = "d3d_exact_sdpa"
 
@@ -126,7 +127,7 @@ def exact_verification(target: PreTrainedModel, batched_linears: bool = False) -
         if getattr(getattr(assistant, "config", None), "model_type", None) == "d3d_drafter":
             return generate(*args, **kwargs)  # told through the generation config (below)
         # other assistants, prompt lookup; plain decoding builds no candidate generator at all
-        factory = _first_round_empty_factory(target._get_candidate_generator)
+        factory = _first_round_empty_factory(target._get_candidate_generator, target.config)
         with _attribute(target, "_get_candidate_generator", factory):
             return generate(*args, **kwargs)
 
@@ -235,12 +236,15 @@ def _attribute(obj: object, name: str, value) -> Iterator[None]:
             setattr(obj, name, own)
 
 
-def _first_round_empty_factory(factory):
+def _first_round_empty_factory(factory, target_config):
     """transformers' candidate-generator factory, whose generators propose nothing in their first round, so that
     the target prefills the prompt alone (any generator may return no candidates, as prompt lookup does when it
-    finds no match)."""
+    finds no match). A generation that could pass where the target's RoPE rescales is refused first."""
 
     def make(*args, **kwargs):
+        config = kwargs.get("generation_config", args[0] if args else None)
+        if config is not None and config.max_length is not None:
+            refuse_rescaling_rope(target_config, config.max_length)
         candidates = factory(*args, **kwargs)
         get, update = candidates.get_candidates, candidates.update_candidate_strategy
         probs = getattr(candidates, "probs", None)

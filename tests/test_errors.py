@@ -249,7 +249,7 @@ def test_a_rope_that_rescales_with_length_is_refused_past_that_length(rope, monk
     crossing rescales its earlier rows too, where plain generate's decode steps do not. Below 32 tokens nothing
     rescales and every path is plain generate's; a generation that could pass 32 is refused before it starts, and
     without the refusal some outputs do part from plain generate's."""
-    from hf_d3d import D3DDrafterModel, speculative, speculative_generate
+    from hf_d3d import D3DDrafterModel, exact_verification, speculative, speculative_generate
     from hf_d3d.fused import fused_generate
 
     target = _rescaling_target(rope)
@@ -264,6 +264,12 @@ def test_a_rope_that_rescales_with_length_is_refused_past_that_length(rope, monk
         speculative_generate(target, drafter, x, max_new_tokens=23)
     with pytest.raises(ValueError, match="passes 32 tokens"):
         target.generate(x, attention_mask=ones, assistant_model=drafter, max_new_tokens=23, do_sample=False)
+    # exact verification's promise to prompt lookup and other assistants holds to the same length
+    with exact_verification(target):
+        lookup = target.generate(x, attention_mask=ones, prompt_lookup_num_tokens=3, max_new_tokens=22, do_sample=False)
+        assert torch.equal(lookup, plain)
+        with pytest.raises(ValueError, match="passes 32 tokens"):
+            target.generate(x, attention_mask=ones, prompt_lookup_num_tokens=3, max_new_tokens=23, do_sample=False)
     # the fused pass's draft blocks reach a block past the last verified position
     whole = D3DDrafterModel.from_pretrained_lm(target, block_size=4, block_adapter_rank=4).eval()
     assert torch.equal(fused_generate(target, whole, x, max_new_tokens=18), plain[:, :28])
@@ -277,3 +283,22 @@ def test_a_rope_that_rescales_with_length_is_refused_past_that_length(rope, monk
         return not torch.equal(speculative_generate(target, drafter, x, max_new_tokens=40, tree=False), plain)
 
     assert any(parts_from_plain(seed) for seed in range(10))
+
+
+def test_the_rope_check_reads_per_layer_type_and_unstandardised_parameters():
+    from transformers import LlamaConfig
+
+    from hf_d3d.modeling.generation_d3d import refuse_rescaling_rope
+
+    config = LlamaConfig(max_position_embeddings=64)
+    config.rope_parameters = {"type": "dynamic", "factor": 2.0}  # as a config never standardised holds it
+    refuse_rescaling_rope(config, 64)
+    with pytest.raises(ValueError, match="dynamic"):
+        refuse_rescaling_rope(config, 65)
+    long = {"rope_type": "longrope", "original_max_position_embeddings": 16}
+    config.rope_parameters = {"full_attention": {"rope_type": "default"}, "sliding_attention": long, "other": None}
+    refuse_rescaling_rope(config, 16)
+    with pytest.raises(ValueError, match="longrope"):
+        refuse_rescaling_rope(config, 17)
+    config.rope_parameters = {"rope_type": "yarn", "factor": 4.0}  # static: no limit
+    refuse_rescaling_rope(config, 10**6)

@@ -647,8 +647,9 @@ def refuse_rescaling_rope(config, max_length: int, lookahead: int = 0) -> None:
     positions past the last verified one a target forward also holds (the fused pass's draft blocks)."""
     config = config.get_text_config()
     params = getattr(config, "rope_parameters", None) or {}
-    for rope in [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]:
-        kind = rope.get("rope_type", "default")
+    per_layer_type = bool(params) and all(isinstance(p, dict) or p is None for p in params.values())
+    for rope in [p for p in params.values() if p] if per_layer_type else [params]:
+        kind = rope.get("rope_type", rope.get("type", "default"))  # "type": a config that was never standardised
         if "dynamic" in kind:
             limit = config.max_position_embeddings
         elif kind == "longrope":
