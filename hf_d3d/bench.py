@@ -24,6 +24,7 @@ from hf_d3d.cpu.skinny import no_skinny_linears, skinny_by_default, skinny_linea
 from hf_d3d.evaluate import count_forwards
 from hf_d3d.exact import exact_verification
 from hf_d3d.fused import fusable, fused_generate
+from hf_d3d.modeling.generation_d3d import refuse_rescaling_rope
 from hf_d3d.speculative import speculative_generate
 
 Runner = Callable[[torch.Tensor], torch.Tensor]
@@ -130,6 +131,9 @@ def run_bench(
         raise ValueError(f"method d3d_fused cannot run this pair: {why_not}")
     if "d3d_hub" in methods and hub_drafter is None:
         raise ValueError("method d3d_hub needs the drafter as from_pretrained(..., trust_remote_code=True) loads it")
+    if any(m.startswith("d3d") for m in methods) or exact:  # for the longest prompt now, not partway through the run
+        lookahead = drafter.config.block_size if "d3d_fused" in methods else 0
+        refuse_rescaling_rope(target.config, max(map(len, prompts_ids)) + max_new_tokens, lookahead)
     runners = {}
     for m in methods:
         run = _runner(m, target, drafter, ar_drafter, max_new_tokens, skinny, hub_drafter)

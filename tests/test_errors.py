@@ -249,7 +249,7 @@ def test_a_rope_that_rescales_with_length_is_refused_past_that_length(rope, monk
     crossing rescales its earlier rows too, where plain generate's decode steps do not. Below 32 tokens nothing
     rescales and every path is plain generate's; a generation that could pass 32 is refused before it starts, and
     without the refusal some outputs do part from plain generate's."""
-    from hf_d3d import D3DDrafterModel, exact_verification, speculative, speculative_generate
+    from hf_d3d import D3DDrafterModel, bench, exact_verification, speculative, speculative_generate
     from hf_d3d.fused import fused_generate
 
     target = _rescaling_target(rope)
@@ -264,6 +264,15 @@ def test_a_rope_that_rescales_with_length_is_refused_past_that_length(rope, monk
         speculative_generate(target, drafter, x, max_new_tokens=23)
     with pytest.raises(ValueError, match="passes 32 tokens"):
         target.generate(x, attention_mask=ones, assistant_model=drafter, max_new_tokens=23, do_sample=False)
+    # the bench refuses before any forward, for its longest prompt, not partway through a run
+    calls = []
+    handle = target.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="passes 32 tokens"):
+            bench.run_bench(target, drafter, [x[0].tolist(), x[0].tolist() * 2], ["d3d_fast"], max_new_tokens=13)
+    finally:
+        handle.remove()
+    assert not calls
     # exact verification's promise to prompt lookup and other assistants holds to the same length
     with exact_verification(target):
         lookup = target.generate(x, attention_mask=ones, prompt_lookup_num_tokens=3, max_new_tokens=22, do_sample=False)
