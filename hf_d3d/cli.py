@@ -106,10 +106,19 @@ def _cmd_train(args: argparse.Namespace) -> None:
     from hf_d3d.prompts import load_prompts
     from hf_d3d.targets import DEFAULT_TARGET, load_drafter, load_target
     from hf_d3d.train.distill import chat_prompt_ids, load_records
-    from hf_d3d.train.trainer import TrainConfig, check_replicated, epochs_to_steps, train, widen_block_adapters
+    from hf_d3d.train.trainer import (
+        TrainConfig,
+        check_replicated,
+        epochs_to_steps,
+        grow_block_adapter_rank,
+        train,
+        widen_block_adapters,
+    )
 
     if args.widen_block_adapters is not None and not args.init_from:
         raise ValueError("--widen-block-adapters widens the adapters of an --init-from drafter")
+    if args.grow_block_adapter_rank is not None and not args.init_from:
+        raise ValueError("--grow-block-adapter-rank grows the adapters of an --init-from drafter")
     from transformers import AutoTokenizer
 
     from hf_d3d.targets import resolve_target
@@ -166,6 +175,9 @@ def _cmd_train(args: argparse.Namespace) -> None:
         if args.widen_block_adapters is not None:
             added = widen_block_adapters(drafter, args.widen_block_adapters)
             print(f"block adapters added to {len(added)} layers: {added}")
+        if args.grow_block_adapter_rank is not None:
+            old = grow_block_adapter_rank(drafter, args.grow_block_adapter_rank)
+            print(f"block adapter rank grown from {old} to {args.grow_block_adapter_rank}")
     elif args.whole_lm:
         adapters = (args.block_adapter_rank, args.block_adapter_top)
         drafter = _whole_lm_drafter(args.whole_lm, args.target, target, tokenizer, args.block_size, *adapters)
@@ -793,6 +805,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOP",
         help="with --init-from: give the top TOP layers (0: all) zero-initialised block adapters where they have "
         "none, so training continues with more of them",
+    )
+    p.add_argument(
+        "--grow-block-adapter-rank",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="with --init-from: raise every block adapter to this rank, the added part starting at zero effect, so "
+        "training continues with more capacity (a resume passes it again)",
     )
     p.add_argument(
         "--freeze-layers",

@@ -236,3 +236,25 @@ def test_the_drafter_goes_where_the_target_embeddings_compute(tmp_path, monkeypa
     assert cli._load_placed_target(args, torch.float32)[2] == torch.device("cpu")
     target.get_input_embeddings()._hf_hook = types.SimpleNamespace(execution_device="cuda:1")
     assert cli._load_placed_target(args, torch.float32)[2] == torch.device("cuda:1")
+
+
+def test_train_grows_the_adapters_of_an_init_from_drafter_and_a_resume_must_grow_them_too(tmp_path, capsys):
+    from hf_d3d import cli
+
+    _target_and_data(tmp_path)
+    target, tokenizer = load_target(str(tmp_path / "target"))
+    start = D3DDrafterModel.from_pretrained_lm(
+        target, block_size=4, block_adapter_rank=4, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)
+    )
+    start.save_pretrained(tmp_path / "init")
+    args = ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--init-from"]
+    args += [str(tmp_path / "init"), "--block-adapter-rank", "4", "--num-blocks", "2", "--batch-size", "2"]
+    args += ["--num-eval-prompts", "0", "--save-every", "1", "--out", str(tmp_path / "run")]
+    assert cli.main([*args, "--steps", "1", "--grow-block-adapter-rank", "8"]) == 0, capsys.readouterr().err
+    final = D3DDrafterModel.from_pretrained(tmp_path / "run" / "final")
+    assert final.config.block_adapter_rank == 8
+    assert final.model.layers[0].mlp.block_adapters["up_proj"].up.shape[1] == 8
+    assert cli.main([*args, "--steps", "2"]) == 2  # the same run, resumed without the growth: another drafter
+    assert "block_adapter_rank: 8 -> 4" in capsys.readouterr().err
+    assert cli.main([*args, "--steps", "2", "--grow-block-adapter-rank", "8"]) == 0, capsys.readouterr().err
+    assert len(json.loads((tmp_path / "run" / "final" / "training_log.json").read_text())["log"]) == 2

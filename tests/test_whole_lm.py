@@ -234,6 +234,50 @@ def test_widening_block_adapters_changes_nothing_until_trained(tmp_path):
         widen_block_adapters(WHOLE["llama"])
 
 
+def test_growing_the_adapter_rank_changes_nothing_until_trained(tmp_path):
+    from hf_d3d.train.trainer import TrainConfig, grow_block_adapter_rank, train
+
+    drafter = _with_adapters("llama", rank=4, layers=[1, 2])
+    for p in (p for n, p in drafter.named_parameters() if "block_adapters" in n):
+        p.data.normal_(std=0.5)  # trained adapters
+    learned = drafter.model.layers[2].mlp.block_adapters["up_proj"].up.detach().clone()
+    x = torch.tensor([[5, 9, 17, 33, 40, 41, 50]])
+    ids, layout = pack_blocks(x, 0, [3, 6], 4, 0)
+    with torch.no_grad():
+        before = drafter(ids, layout=layout, use_cache=False).logits
+        assert grow_block_adapter_rank(drafter, 8) == 4
+        torch.testing.assert_close(drafter(ids, layout=layout, use_cache=False).logits, before, rtol=0, atol=1e-6)
+    grown = drafter.model.layers[2].mlp.block_adapters["up_proj"]
+    assert grown.down.weight.shape[0] == grown.up.shape[1] == 8 and drafter.config.block_adapter_rank == 8
+    assert torch.equal(grown.up[:, :4], learned) and not grown.up[:, 4:].any()
+    assert grown.down.weight[4:].abs().sum() > 0  # new directions to learn along, not dead rows
+    drafter.save_pretrained(tmp_path / "grown")
+    reloaded = D3DDrafterModel.from_pretrained(tmp_path / "grown")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids, layout=layout, use_cache=False).logits, before, rtol=0, atol=1e-6)
+    records = [{"prompt_ids": [5, 6, 7 + i], "response_ids": [8 + i, 9, 10, 11, 12, 13, EOS]} for i in range(8)]
+    cfg = TrainConfig(max_steps=2, batch_size=4, lr=1e-2, warmup_steps=1, eval_every=100, adapters_only=True)
+    trained = D3DDrafterModel.from_pretrained(train(drafter, records, tmp_path / "run", cfg))
+    assert trained.config.block_adapter_rank == 8
+    assert trained.model.layers[2].mlp.block_adapters["up_proj"].up[:, 4:].abs().sum() > 0  # the new part trains
+    longer = TrainConfig(**{**cfg.__dict__, "max_steps": 3})
+    with pytest.raises(ValueError, match="block_adapter_rank: 8 -> 4"):  # a resume that forgot to grow
+        train(_with_adapters("llama", rank=4, layers=[1, 2]), records, tmp_path / "run", longer)
+    with pytest.raises(ValueError, match="would drop"):
+        grow_block_adapter_rank(drafter, 2)
+    with pytest.raises(ValueError, match="no block adapters"):
+        grow_block_adapter_rank(WHOLE["llama"], 8)
+
+
+@pytest.mark.parametrize("flag", [["--grow-block-adapter-rank", "8"], ["--widen-block-adapters", "0"]])
+def test_the_adapter_growing_flags_are_refused_without_a_drafter_to_grow(tmp_path, capsys, flag):
+    from hf_d3d import cli
+
+    assert cli.main(["train", "--data", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "run"), *flag]) == 2
+    assert "an --init-from drafter" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 @settings(max_examples=10, deadline=None)
 @given(family=FAMILIES, layers=st.sampled_from([None, [1, 2]]), seed=st.integers(0, 2**16))
 def test_frozen_context_gives_the_same_loss_and_gradients(family, layers, seed):

@@ -66,6 +66,28 @@ def widen_block_adapters(drafter: D3DDrafterModel, top: int = 0) -> list[int]:
     return added
 
 
+def grow_block_adapter_rank(drafter: D3DDrafterModel, rank: int) -> int:
+    """Raise every block adapter of ``drafter`` to ``rank``; returns the rank it had. The added down rows start as a
+    new ``nn.Linear``'s and the added up columns at zero, so the drafter drafts exactly as before until training moves
+    them, and ``config.block_adapter_rank`` records the rank, so the result saves and loads."""
+    old = drafter.config.block_adapter_rank
+    if not old:
+        raise ValueError("the drafter has no block adapters to grow")
+    if rank < old:
+        raise ValueError(f"the adapters have rank {old}; growing to {rank} would drop what they learned")
+    for module in drafter.modules():
+        if isinstance(module, D3DBlockAdapter):
+            down = torch.nn.Linear(module.down.in_features, rank, bias=False)
+            up = module.up.new_zeros(module.up.shape[0], rank)
+            with torch.no_grad():
+                down.weight[:old] = module.down.weight
+                up[:, :old] = module.up
+            module.down = down.to(device=module.up.device, dtype=module.up.dtype)
+            module.up = torch.nn.Parameter(up)
+    drafter.config.block_adapter_rank = rank
+    return old
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 1000
