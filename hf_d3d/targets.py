@@ -133,9 +133,10 @@ def load_drafter(
     on an x86 CPU; elsewhere it is loaded as it is), for inference only.
 
     ``"auto"`` keeps the stored dtype (bf16 for our checkpoints), as ``from_pretrained`` does by default, except on
-    a CPU whose kernels have no bf16 support (an AVX2-only CPU), where bf16 matrix multiplies are emulated: there
-    it computes in fp32. Measured (``scripts/side_by_side.py``, README): on an Intel Xeon with AMX bf16 units a bf16
-    drafter decoded faster than fp32 at the same tau; on an AVX2 AMD EPYC, slower.
+    a CPU without bf16 units (AVX2 only, or AVX512 without AVX512-BF16 or AMX), where bf16 matrix multiplies are
+    emulated: there it computes in fp32. Measured (``scripts/side_by_side.py``, README): on an Intel Xeon with AMX
+    bf16 units a bf16 drafter decoded faster than fp32 at the same tau; on an AVX2 AMD EPYC, slower; on an AVX512
+    Xeon without bf16 units, the bf16 whole-LM drafter made both D3D paths slower than plain decoding.
     """
     on_cpu = device is None or torch.device(device).type == "cpu"
     path = name_or_path or DEFAULT_DRAFTER

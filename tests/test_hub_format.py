@@ -140,9 +140,30 @@ def test_committed_checkpoints_ship_the_current_remote_code():
             )
 
 
+@pytest.mark.parametrize(
+    ("x86", "avx512_bf16", "amx", "onednn", "native"),
+    [
+        (True, False, False, True, False),  # AVX512 alone: oneDNN says bf16, but emulates it
+        (True, False, False, False, False),  # AVX2 only
+        (True, True, False, True, True),  # AVX512-BF16 (Zen 4, Cooper Lake)
+        (True, False, True, True, True),  # AMX (Sapphire Rapids)
+        (False, False, False, True, True),  # Arm with bf16: oneDNN's answer
+        (False, False, False, False, False),
+    ],
+)
+def test_bf16_counts_as_native_only_with_bf16_units(monkeypatch, x86, avx512_bf16, amx, onednn, native):
+    from hf_d3d.modeling.modeling_d3d import cpu_computes_bf16
+
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: x86)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    assert cpu_computes_bf16() is native
+
+
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_auto_dtype_computes_in_fp32_where_the_cpu_emulates_bf16(saved, monkeypatch, native_bf16):
-    """A bf16 checkpoint keeps bf16 on a CPU with bf16 units and computes in fp32 on one without (AVX2): through
+    """A bf16 checkpoint keeps bf16 on a CPU with bf16 units and computes in fp32 on one without: through
     ``load_drafter``, and through ``from_pretrained`` alone (the Hub path) on a machine without a GPU."""
     from hf_d3d import targets
     from hf_d3d.modeling import modeling_d3d

@@ -32,11 +32,14 @@ _OWN_FILE_KWARGS = (*_HUB_KWARGS, "revision", "subfolder")  # where the drafter'
 
 
 def cpu_computes_bf16() -> bool:
-    """Whether oneDNN runs bf16 on this CPU with AVX512 or newer units (natively on AVX512-BF16 / AMX); an
-    AVX2-only CPU emulates bf16 matrix multiplies, slower than fp32."""
+    """Whether this CPU multiplies bf16 in hardware. An x86 CPU needs AVX512-BF16 or AMX units: without them
+    (AVX2, and AVX512 alone, where oneDNN still reports bf16 support) bf16 matrix multiplies are emulated, slower
+    than fp32. Elsewhere (Arm) oneDNN's own answer is taken."""
     try:
+        if torch.cpu._is_avx2_supported():  # x86
+            return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: assume the stored dtype is fine
+    except (AttributeError, RuntimeError):  # a torch without these probes or without oneDNN: keep the stored dtype
         return True
 
 
@@ -429,7 +432,7 @@ class D3DDrafterModel(D3DPreTrainedModel, GenerationMixin):
         kwargs["use_safetensors"] = True
         if kwargs.get("dtype", "auto") == "auto" and "torch_dtype" not in kwargs and kwargs.get("device_map") is None:
             if not torch.cuda.is_available() and not cpu_computes_bf16():
-                kwargs["dtype"] = torch.float32  # a bf16 checkpoint on an AVX2-only machine: fp32 is faster there
+                kwargs["dtype"] = torch.float32  # a bf16 checkpoint on a CPU without bf16 units: fp32 is faster there
         want_info = kwargs.pop("output_loading_info", False)
         path = pretrained_model_name_or_path
         stored = _stored_config(path, kwargs) if path is not None else None
