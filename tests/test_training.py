@@ -406,6 +406,24 @@ def test_a_bf16_checkpoint_trains_with_fp32_weights(toy, toy_data, tmp_path):
     assert (moved[large] > 0).float().mean() > 0.9 and moved.max() < 1e-3
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_bf16_training_on_a_cpu_that_emulates_bf16_warns(toy, toy_data, tmp_path, monkeypatch, native_bf16):
+    """Emulated bf16 autocast makes each step ~2.5x slower than fp32: say so rather than train slowly in silence."""
+    import warnings
+
+    from hf_d3d.train import trainer
+
+    monkeypatch.setattr(trainer, "cpu_computes_bf16", lambda: native_bf16)
+    cfg = TrainConfig(
+        max_steps=1, batch_size=4, warmup_steps=0, save_every=1000, eval_every=1000, mixed_precision="bf16"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(make_drafter(toy[0], block_size=4), toy_data, tmp_path, cfg)
+    emulated = [w for w in caught if "--mixed-precision no trains faster" in str(w.message)]
+    assert len(emulated) == (0 if native_bf16 else 1)
+
+
 def test_final_weights_in_the_save_dtype_checkpoints_in_fp32(toy, toy_data, tmp_path):
     target, _ = toy
     cfg = TrainConfig(max_steps=2, batch_size=4, warmup_steps=0, save_every=1, eval_every=1000, save_dtype="bfloat16")

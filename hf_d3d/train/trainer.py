@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from hf_d3d.atomic import atomic_folder, recover_folder, write_json_atomic
 from hf_d3d.evaluate import measure_tau
-from hf_d3d.modeling.modeling_d3d import D3DBlockAdapter, D3DDrafterModel
+from hf_d3d.modeling.modeling_d3d import D3DBlockAdapter, D3DDrafterModel, cpu_computes_bf16
 from hf_d3d.train.objective import IGNORE, d3d_loss, make_batch
 
 CHECKPOINT = "checkpoint"
@@ -236,6 +237,20 @@ DRAFTER_SHAPE = (
 BEFORE_IT_EXISTED = {"draft_vocab_loss": False}
 
 
+def warn_emulated_bf16(device: torch.device, mixed_precision: str) -> bool:
+    """Warn when bf16 autocast would run on a CPU without bf16 units (an AVX2 or AVX512-only x86): its bf16 matrix
+    multiplies are emulated, and a training step is about 2.5x slower than ``--mixed-precision no``. Returns whether
+    it warned."""
+    if mixed_precision != "bf16" or device.type != "cpu" or cpu_computes_bf16():
+        return False
+    warnings.warn(
+        "--mixed-precision bf16 on a CPU without AVX512-BF16 or AMX: bf16 matrix multiplies are emulated here, "
+        "slower than fp32; --mixed-precision no trains faster on this machine",
+        stacklevel=2,
+    )
+    return True
+
+
 def data_fingerprint(records: list[dict]) -> str:
     """sha256 of the records' token ids in order: which data, in which order, a run reads."""
     digest = hashlib.sha256()
@@ -350,6 +365,7 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision)
     check_replicated(accelerator.distributed_type)
+    warn_emulated_bf16(accelerator.device, config.mixed_precision)
     # Published drafters are stored in bf16 to stay small, but small updates vanish in bf16 weights: training
     # keeps fp32 weights (its checkpoints are fp32) and --mixed-precision chooses the compute type.
     drafter = drafter.float()  # in place: the caller's model is now fp32 too
