@@ -406,22 +406,38 @@ def test_a_bf16_checkpoint_trains_with_fp32_weights(toy, toy_data, tmp_path):
     assert (moved[large] > 0).float().mean() > 0.9 and moved.max() < 1e-3
 
 
-@pytest.mark.parametrize("native_bf16", [False, True])
-def test_bf16_training_on_a_cpu_that_emulates_bf16_warns(toy, toy_data, tmp_path, monkeypatch, native_bf16):
+@pytest.mark.parametrize(
+    "device, mixed_precision, native_bf16, warns",
+    [
+        ("cpu", "bf16", False, True),
+        ("cpu", "bf16", True, False),
+        ("cpu", "no", False, False),
+        ("cuda", "bf16", False, False),
+    ],
+)
+def test_bf16_training_on_a_cpu_that_emulates_bf16_warns(monkeypatch, device, mixed_precision, native_bf16, warns):
     """Emulated bf16 autocast makes each step ~2.5x slower than fp32: say so rather than train slowly in silence."""
     import warnings
 
     from hf_d3d.train import trainer
 
     monkeypatch.setattr(trainer, "cpu_computes_bf16", lambda: native_bf16)
-    cfg = TrainConfig(
-        max_steps=1, batch_size=4, warmup_steps=0, save_every=1000, eval_every=1000, mixed_precision="bf16"
-    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train(make_drafter(toy[0], block_size=4), toy_data, tmp_path, cfg)
-    emulated = [w for w in caught if "--mixed-precision no trains faster" in str(w.message)]
-    assert len(emulated) == (0 if native_bf16 else 1)
+        assert trainer.warn_emulated_bf16(torch.device(device), mixed_precision) is warns
+    assert sum("--mixed-precision no trains faster" in str(w.message) for w in caught) == int(warns)
+
+
+def test_training_checks_its_compute_type_on_its_device(toy, toy_data, tmp_path, monkeypatch):
+    # A bf16 run cannot start here once another test has set accelerate's process-wide state to fp32, so the
+    # call itself is what this checks.
+    from hf_d3d.train import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "warn_emulated_bf16", lambda device, mp: seen.append((device.type, mp)))
+    cfg = TrainConfig(max_steps=1, batch_size=4, warmup_steps=0, save_every=1000, eval_every=1000)
+    train(make_drafter(toy[0], block_size=4), toy_data, tmp_path, cfg)
+    assert seen == [("cpu", "no")]
 
 
 def test_final_weights_in_the_save_dtype_checkpoints_in_fp32(toy, toy_data, tmp_path):
