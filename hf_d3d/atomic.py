@@ -7,15 +7,22 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
+def _scratch_name(path: Path) -> Path:
+    """A scratch file beside ``path`` that no other writer uses: per process and per thread, since two threads
+    sharing one would truncate each other's text and the second rename would find it gone."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write text to a temporary file in the same folder, fsync, then rename over ``path``."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a scratch file
+    tmp = _scratch_name(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -34,7 +41,7 @@ def write_json_atomic(path: Path, obj: object) -> None:
 def save_figure(fig, path: str | Path) -> None:
     """Save a matplotlib figure as PNG under a scratch name, then rename it over ``path``."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _scratch_name(path)
     try:
         fig.savefig(tmp, dpi=120, format="png")
         os.replace(tmp, path)

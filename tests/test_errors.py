@@ -311,3 +311,32 @@ def test_the_rope_check_reads_per_layer_type_and_unstandardised_parameters():
         refuse_rescaling_rope(config, 17)
     config.rope_parameters = {"rope_type": "yarn", "factor": 4.0}  # static: no limit
     refuse_rescaling_rope(config, 10**6)
+
+
+def test_two_threads_writing_one_file_atomically_do_not_share_a_scratch_file(tmp_path, monkeypatch):
+    """Both threads reach the rename at once: with one shared scratch file, the second rename finds it gone."""
+    import threading
+
+    from hf_d3d import atomic
+
+    path, both_written = tmp_path / "rows.json", threading.Barrier(2, timeout=10)
+    real_replace, errors = os.replace, []
+
+    def replace_when_both_wrote(src, dst):
+        both_written.wait()
+        real_replace(src, dst)
+
+    def write(text):
+        try:
+            atomic.write_text_atomic(path, text)
+        except Exception as err:  # noqa: BLE001 - the failure this test looks for
+            errors.append(err)
+
+    monkeypatch.setattr(atomic.os, "replace", replace_when_both_wrote)
+    threads = [threading.Thread(target=write, args=(text,)) for text in ("a" * 100, "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and path.read_text() in ("a" * 100, "b")
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]
