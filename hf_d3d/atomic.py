@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def _scratch_name(path: Path) -> Path:
+def scratch_name(path: Path) -> Path:
     """A scratch file beside ``path`` that no other writer uses: per process and per thread, since two threads
     sharing one would truncate each other's text and the second rename would find it gone."""
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -22,7 +22,7 @@ def _scratch_name(path: Path) -> Path:
 def write_text_atomic(path: Path, text: str) -> None:
     """Write text to a temporary file in the same folder, fsync, then rename over ``path``."""
     path = Path(path)
-    tmp = _scratch_name(path)
+    tmp = scratch_name(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -41,7 +41,7 @@ def write_json_atomic(path: Path, obj: object) -> None:
 def save_figure(fig, path: str | Path) -> None:
     """Save a matplotlib figure as PNG under a scratch name, then rename it over ``path``."""
     path = Path(path)
-    tmp = _scratch_name(path)
+    tmp = scratch_name(path)
     try:
         fig.savefig(tmp, dpi=120, format="png")
         os.replace(tmp, path)

@@ -340,3 +340,15 @@ def test_two_threads_writing_one_file_atomically_do_not_share_a_scratch_file(tmp
         thread.join()
     assert errors == [] and path.read_text() in ("a" * 100, "b")
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]
+
+
+def test_a_failed_token_file_write_leaves_no_scratch(tmp_path, monkeypatch):
+    from hf_d3d.train import token_file
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(token_file.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        token_file.write_token_file([{"prompt_ids": [1], "response_ids": [2]}], tmp_path / "d.safetensors", 8, {})
+    assert list(tmp_path.iterdir()) == []

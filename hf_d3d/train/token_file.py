@@ -18,7 +18,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from hf_d3d.atomic import open_up
+from hf_d3d.atomic import open_up, scratch_name
 
 FORMAT = "hf-d3d-tokens/1"
 
@@ -60,12 +60,15 @@ def write_token_file(records: list[dict], path: str | Path, vocab_size: int, pro
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: two writers never share a scratch file
-    save_file(arrays, str(tmp), metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    open_up(tmp)
-    os.replace(tmp, path)
+    tmp = scratch_name(path)
+    try:
+        save_file(arrays, str(tmp), metadata=meta)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        open_up(tmp)
+        os.replace(tmp, path)
+    finally:  # a failed write (a full disk) leaves no scratch file behind
+        tmp.unlink(missing_ok=True)
     return path
 
 
