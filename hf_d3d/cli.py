@@ -370,13 +370,24 @@ def _cmd_bench(args: argparse.Namespace) -> None:
         row = {"dataset": args.prompts, "num_prompts": len(ids), "max_new_tokens": args.max_new_tokens}
         row |= {"tau": hub["tau"], "command": result["command"]}
         on_cpu = device.type == "cpu"
-        cpu = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {torch.get_num_threads()} threads"
-        where = cpu if on_cpu else str(device)
+        where = cpu_setting() if on_cpu else str(device)
         where += f", the target spread by device_map {args.device_map}" if args.device_map else ""
         where += ", `target.generate(assistant_model=drafter)` as the card loads it"
         speed = {"speedup": hub["speedup"], "speedup_command": result["command"], "speedup_setting": where}
         path = _update_metrics(args.drafter, row, speed, target=args.target or DEFAULT_TARGET, measured=measured)
         print(f"updated {path}")
+
+
+def cpu_setting() -> str:
+    """The CPU a speedup was measured on, as a card names it. Whether it multiplies bf16 in hardware is said apart
+    from the kernels' instruction set: "AVX512" covers both kinds of x86, and a bf16 drafter's speed differs most
+    between them."""
+    import torch
+
+    from hf_d3d.modeling.modeling_d3d import cpu_computes_bf16
+
+    bf16 = "bf16 in hardware" if cpu_computes_bf16() else "bf16 emulated"
+    return f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels ({bf16}), {torch.get_num_threads()} threads"
 
 
 def _weights_before(args: argparse.Namespace) -> str | None:

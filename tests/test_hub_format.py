@@ -183,3 +183,16 @@ def test_auto_dtype_computes_in_fp32_where_the_cpu_emulates_bf16(saved, monkeypa
         assert D3DDrafterModel.from_pretrained(bf16, dtype=asked).dtype == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: the stored dtype, as transformers
     assert D3DDrafterModel.from_pretrained(bf16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_a_cards_cpu_setting_says_whether_bf16_runs_in_hardware(monkeypatch, native_bf16):
+    """ "AVX512" names both x86 kinds, with and without bf16 units; a card's speedup must say which it ran on."""
+    from hf_d3d import cli
+    from hf_d3d.modeling import modeling_d3d
+
+    monkeypatch.setattr(modeling_d3d, "cpu_computes_bf16", lambda: native_bf16)
+    setting = cli.cpu_setting()
+    assert ("(bf16 in hardware)" in setting) is native_bf16 and ("(bf16 emulated)" in setting) is not native_bf16
+    assert setting.startswith(f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels")
+    assert setting.endswith(f", {torch.get_num_threads()} threads")

@@ -168,7 +168,7 @@ def test_bench_records_the_generate_speedup_and_its_setting_on_the_card(tmp_path
     import json
     import shutil
 
-    from hf_d3d.cli import _cmd_bench, build_parser, main
+    from hf_d3d.cli import _cmd_bench, build_parser, cpu_setting, main
     from hf_d3d.publish import load_metrics, render_card
 
     folder = shutil.copytree(DEFAULT_DRAFTER, tmp_path / "drafter")
@@ -179,8 +179,8 @@ def test_bench_records_the_generate_speedup_and_its_setting_on_the_card(tmp_path
     row = next(r for r in load_metrics(folder)["rows"] if r["dataset"] == "gsm8k:test")
     # the card's number is its usage code's path, not d3d_sync's (the library's few-row linears, fp16 weights)
     assert row["speedup"] == result["methods"]["d3d_hub"]["speedup"] and row["speedup_command"] == result["command"]
-    setting = f"CPU with {torch.backends.cpu.get_cpu_capability()} kernels, {torch.get_num_threads()} threads"
-    assert row["speedup_setting"] == setting + ", `target.generate(assistant_model=drafter)` as the card loads it"
+    setting = cpu_setting() + ", `target.generate(assistant_model=drafter)` as the card loads it"
+    assert row["speedup_setting"] == setting
     sync_only = ["bench", "--drafter", str(folder), "--methods", "plain,d3d_sync", "--write-metrics", "--out", "x"]
     with pytest.raises(ValueError, match="include d3d_hub"):
         _cmd_bench(build_parser().parse_args(sync_only))
